@@ -1,0 +1,112 @@
+"""areal-agents: an agent-environment gym and asynchronous RL SDK for tool-using LLM agents.
+
+The public API. Importing it is cheap and never imports torch: the embedded engine (which
+needs torch) loads on first use of ``areal_agents.EmbeddedEngine``.
+
+Example::
+
+    from areal_agents import EmbeddedEngine, Proxy, ProxyServer, ChatTokenizer, resolve_model
+
+    path = resolve_model(None)                       # the offline default model
+    tok = ChatTokenizer.from_dir(path)
+    proxy = Proxy(EmbeddedEngine.from_pretrained(path, decode=tok.decode), tok)
+    with ProxyServer.start(proxy) as server:
+        session = proxy.sessions.create()
+        # openai.OpenAI(base_url=server.base_url, api_key=session.api_key) ...
+        episode = session.episode                    # the recorded token-level trajectory
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .chat import ChatTokenizer
+from .engine import Engine, GenerateResult, SamplingParams, WeightUpdate
+from .errors import (
+    ArealError,
+    BackendError,
+    ConfigError,
+    ContextOverflow,
+    EnvError,
+    EnvNotFound,
+    EpisodeTimeout,
+    ModelBehaviorError,
+    ModelNotFound,
+    RolloutError,
+    SessionError,
+    ToolCallParseError,
+    ToolError,
+    UserError,
+)
+from .fake_engine import FakeEngine
+from .model import DEFAULT_MODEL, resolve_model
+from .proxy import Proxy
+from .server import ProxyServer
+from .session import Session, SessionStore
+from .toolcall import ParsedOutput, parse_tool_calls
+from .trajectory import Completion, Episode, TrainingSample
+
+if TYPE_CHECKING:
+    from .embedded import EmbeddedEngine
+
+__version__ = "0.1.0"
+
+
+def make(env_id: str, **kwargs: Any) -> Any:
+    """Create a registered environment (``gymnasium.make`` with areal's registry loaded)."""
+    from envs.registry import make as _make
+
+    return _make(env_id, **kwargs)
+
+
+def register(env_id: str, entry_point: Any, **kwargs: Any) -> None:
+    """Register an environment under ``env_id`` (``gymnasium.register``)."""
+    import gymnasium
+
+    gymnasium.register(id=env_id, entry_point=entry_point, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EmbeddedEngine":
+        from .embedded import EmbeddedEngine
+
+        return EmbeddedEngine
+    raise AttributeError(f"module 'areal_agents' has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ArealError",
+    "BackendError",
+    "ChatTokenizer",
+    "Completion",
+    "ConfigError",
+    "ContextOverflow",
+    "EmbeddedEngine",
+    "Engine",
+    "EnvError",
+    "EnvNotFound",
+    "Episode",
+    "EpisodeTimeout",
+    "FakeEngine",
+    "GenerateResult",
+    "ModelBehaviorError",
+    "ModelNotFound",
+    "ParsedOutput",
+    "Proxy",
+    "ProxyServer",
+    "RolloutError",
+    "SamplingParams",
+    "Session",
+    "SessionError",
+    "SessionStore",
+    "ToolCallParseError",
+    "ToolError",
+    "TrainingSample",
+    "UserError",
+    "WeightUpdate",
+    "make",
+    "parse_tool_calls",
+    "register",
+    "resolve_model",
+]

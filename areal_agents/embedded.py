@@ -1,0 +1,483 @@
+"""The embedded inference engine: transformers + torch in a worker thread.
+
+Continuous batching on one device: every active request holds a row of one batched KV
+cache (left-padded to a common length). Each loop iteration the worker
+
+1. runs queued control commands (weight update, pause, resume) between forward passes;
+2. admits waiting requests up to ``max_batch_size``: each is prefilled on its own (exact, no
+   padding in the prompt pass) and its cache row joins the batch, so a request that arrives
+   while others decode joins at the next step instead of waiting for the batch to finish;
+3. runs one batched decode step for all active rows, samples one token per row with that
+   row's own sampling parameters and random generator, and retires finished rows.
+
+Weight updates interrupt generation in flight: the KV cache of every active request is
+dropped, the new weights are loaded, and each request is re-prefilled from its prompt plus
+the tokens it already generated, so later tokens are sampled (and tagged) with the new
+policy version.
+
+Logprobs follow :mod:`areal_agents.engine`: ``log_softmax(logits / T)`` in float32 over the
+full vocabulary, before top-k / top-p truncation (T = 1 for greedy decoding).
+
+The worker thread owns the model; the event loop only enqueues work and awaits futures, so
+the proxy is never blocked by a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .engine import GenerateResult, SamplingParams, WeightUpdate
+from .errors import BackendError, ContextOverflow
+
+log = logging.getLogger(__name__)
+
+DecodeFn = Callable[[list[int]], str]
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future[GenerateResult]
+    loop: asyncio.AbstractEventLoop
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    out_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    interruptions: int = 0
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        result = GenerateResult(
+            output_ids=self.out_ids,
+            output_logprobs=self.logprobs,
+            output_versions=self.versions,
+            finish_reason=reason,  # type: ignore[arg-type]
+            stop_reason=stop_reason,
+            top_logprobs=self.top,
+            prompt_tokens=len(self.prompt_ids),
+            queue_s=(self.started or time.perf_counter()) - self.submitted,
+            latency_s=time.perf_counter() - self.submitted,
+            interruptions=self.interruptions,
+        )
+        self.loop.call_soon_threadsafe(_set_result, self.future, result)
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+class EmbeddedEngine:
+    """A transformers causal LM served in-process with continuous batching.
+
+    Example::
+
+        engine = EmbeddedEngine.from_pretrained("path/to/model")
+        result = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=8))
+        await engine.close()
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        model_name: str = "model",
+        eos_token_ids: Sequence[int] = (),
+        decode: DecodeFn | None = None,
+        max_batch_size: int = 64,
+        max_context: int | None = None,
+        version: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model.eval()
+        self.model_name = model_name
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._decode = decode
+        self.max_batch_size = max_batch_size
+        cfg_ctx = getattr(model.config, "max_position_embeddings", None)
+        self.max_context = int(max_context or cfg_ctx or 4096)
+        self._version = version
+        self._device = next(model.parameters()).device
+        self._cache_kwarg = _cache_kwarg(model)
+        self._inbox: queue.Queue[_Request] = queue.Queue()
+        self._commands: queue.Queue[tuple[str, Any, asyncio.Future[Any], Any]] = queue.Queue()
+        self._wake = threading.Event()
+        self._waiting: list[_Request] = []
+        self._active: list[_Request] = []
+        self._cache: Any = None  # batched DynamicCache for self._active
+        self._mask: torch.Tensor | None = None  # [B, T] 1 = real token, 0 = left pad
+        self._paused = False
+        self._closed = False
+        self._stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str = "auto",
+        device: str | None = None,
+        **kwargs: Any,
+    ) -> EmbeddedEngine:
+        """Load a HF model directory (or hub id) and serve it.
+
+        ``dtype``: "float32", "bfloat16", "float16" or "auto" (bfloat16 on CPU and on CUDA).
+        """
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        model = model.to(device)  # type: ignore[arg-type]
+        eos: list[int] = []
+        try:
+            gen = GenerationConfig.from_pretrained(str(path))
+            ids = gen.eos_token_id
+            eos = [ids] if isinstance(ids, int) else list(ids or [])
+        except OSError:
+            pass
+        if not eos and model.config.eos_token_id is not None:
+            ids = model.config.eos_token_id
+            eos = [ids] if isinstance(ids, int) else list(ids)
+        kwargs.setdefault("model_name", Path(str(path)).name)
+        return cls(model, eos_token_ids=eos, **kwargs)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerateResult:
+        """Generate from ``prompt_ids``; see the module docstring for the semantics."""
+        if self._closed:
+            raise BackendError("the engine is closed")
+        if self._error is not None:
+            raise BackendError(f"the engine worker died: {self._error!r}")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids must not be empty")
+        if len(prompt) >= self.max_context:
+            raise ContextOverflow(
+                f"the prompt has {len(prompt)} tokens but the model's context is "
+                f"{self.max_context}; shorten the conversation"
+            )
+        loop = asyncio.get_running_loop()
+        req = _Request(prompt, params, loop.create_future(), loop)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self._device).manual_seed(params.seed)
+        self._inbox.put(req)
+        self._wake.set()
+        return await req.future
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        """Load new weights between two decode steps; returns the new policy version."""
+        return int(await self._command("update", update))
+
+    async def pause(self) -> None:
+        """Stop scheduling forward passes (in-flight requests wait) until :meth:`resume`."""
+        await self._command("pause", None)
+
+    async def resume(self) -> None:
+        await self._command("resume", None)
+
+    async def health(self) -> dict[str, Any]:
+        return {
+            "status": "error" if self._error else ("paused" if self._paused else "ok"),
+            "backend": "embedded",
+            "model": self.model_name,
+            "version": self._version,
+            "active": len(self._active),
+            "waiting": len(self._waiting) + self._inbox.qsize(),
+            "device": str(self._device),
+            **self._stats,
+        }
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # ------------------------------------------------------------------ worker side
+    async def _command(self, name: str, arg: Any) -> Any:
+        if self._closed:
+            raise BackendError("the engine is closed")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._commands.put((name, arg, fut, loop))
+        self._wake.set()
+        return await fut
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._closed:
+                    self._run_commands()
+                    self._drain_inbox()
+                    if self._paused or not (self._waiting or self._active):
+                        self._wake.wait(0.05)
+                        self._wake.clear()
+                        continue
+                    self._admit()
+                    if self._active:
+                        self._decode_step()
+        except BaseException as exc:  # the worker must report, never die silently
+            log.exception("embedded engine worker failed")
+            self._error = exc
+            for req in self._active + self._waiting:
+                req.loop.call_soon_threadsafe(
+                    _set_exception, req.future, BackendError(f"engine failure: {exc!r}")
+                )
+        finally:
+            for req in self._active + self._waiting + self._drain_all():
+                req.finish("abort")
+
+    def _drain_all(self) -> list[_Request]:
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _drain_inbox(self) -> None:
+        self._waiting.extend(self._drain_all())
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                name, arg, fut, loop = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if name == "pause":
+                    self._paused, value = True, None
+                elif name == "resume":
+                    self._paused, value = False, None
+                else:
+                    value = self._apply_update(arg)
+                loop.call_soon_threadsafe(_set_result, fut, value)
+            except Exception as exc:
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+
+    def _apply_update(self, update: WeightUpdate) -> int:
+        from .weights import apply_weight_update
+
+        # Interrupt: drop every active request's KV cache; re-prefill after the update.
+        for req in self._active:
+            req.interruptions += 1
+        self._waiting = self._active + self._waiting
+        self._active, self._cache, self._mask = [], None, None
+        self.model = apply_weight_update(self.model, update)
+        self.model.eval()
+        self._version = update.version if update.version is not None else self._version + 1
+        return self._version
+
+    # -- admission: prefill one request at a time and join the batch ----------------
+    def _admit(self) -> None:
+        """Prefill waiting requests and add their cache rows to the batch.
+
+        Every active row keeps exactly one *pending* token outside the cache: the last token
+        of its prompt (or the last one it sampled). The prefill therefore covers the sequence
+        minus its last token, and every decode step feeds all rows their pending token.
+        """
+        self._waiting = [r for r in self._waiting if not r.future.cancelled()]
+        while self._waiting and len(self._active) < self.max_batch_size:
+            req = self._waiting.pop(0)
+            if req.started is None:
+                req.started = time.perf_counter()
+            prefix = (req.prompt_ids + req.out_ids)[:-1]
+            if prefix:
+                ids = torch.tensor([prefix], device=self._device)
+                out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                cache = _cache_of(out)
+                self._stats["prefills"] += 1
+            else:
+                cache = self._empty_cache()
+            self._join(req, cache, len(prefix))
+
+    def _empty_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        cfg = self.model.config.get_text_config()
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(self.model.parameters()).dtype
+        empty = torch.zeros(1, heads, 0, head_dim, dtype=dtype, device=self._device)
+        return DynamicCache(ddp_cache_data=[(empty, empty)] * cfg.num_hidden_layers)
+
+    def _join(self, req: _Request, cache: Any, length: int) -> None:
+        row = torch.ones(1, length, dtype=torch.long)
+        if self._cache is None:
+            self._cache, self._mask, self._active = cache, row, [req]
+            return
+        assert self._mask is not None
+        width = max(self._mask.shape[1], length)
+        for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+            mine.values = torch.cat(
+                [_left_pad(mine.values, width), _left_pad(theirs.values, width)]
+            )
+        self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(row, width)])
+        self._active.append(req)
+
+    # -- one batched decode step ------------------------------------------------------
+    def _decode_step(self) -> None:
+        """Feed every row its pending token, sample the next one, retire finished rows."""
+        assert self._mask is not None
+        pending = [(r.out_ids or r.prompt_ids)[-1] for r in self._active]
+        last = torch.tensor(pending, device=self._device).unsqueeze(1)
+        ones = torch.ones(len(self._active), 1, dtype=torch.long)
+        self._mask = torch.cat([self._mask, ones], 1)
+        positions = (self._mask.sum(1, keepdim=True) - 1).to(self._device)
+        out = self.model(
+            input_ids=last,
+            attention_mask=self._mask.to(self._device),
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_kwarg: self._cache},
+        )
+        self._cache = _cache_of(out)
+        tokens, logps, tops = self._sample(out.logits[:, -1, :].float())
+        self._stats["decode_steps"] += 1
+        keep: list[int] = []
+        for i, req in enumerate(self._active):
+            tok = tokens[i]
+            req.out_ids.append(tok)
+            req.logprobs.append(logps[i])
+            req.versions.append(self._version)
+            if req.params.top_logprobs:
+                req.top.append(tops[i])
+            self._stats["output_tokens"] += 1
+            done = self._finished(req, tok)
+            if done is not None:
+                self._stats["requests"] += 1
+                req.finish(*done)
+            elif not req.future.cancelled():
+                keep.append(i)
+        self._retain(keep)
+
+    def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float], list[Any]]:
+        temps = torch.tensor(
+            [r.params.temperature if r.params.temperature > 0 else 1.0 for r in self._active],
+            device=logits.device,
+        ).unsqueeze(1)
+        logp = torch.log_softmax(logits / temps, dim=-1)
+        tokens: list[int] = []
+        tops: list[Any] = []
+        for i, req in enumerate(self._active):
+            p = req.params
+            if p.temperature == 0:
+                tok = int(torch.argmax(logp[i]))
+            else:
+                tok = _sample_row(logp[i], p, req.generator)
+            tokens.append(tok)
+            if p.top_logprobs:
+                v, ix = torch.topk(logp[i], p.top_logprobs)
+                tops.append(list(zip(ix.tolist(), v.tolist(), strict=True)))
+            else:
+                tops.append(None)
+        chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1))
+        return tokens, chosen.squeeze(1).tolist(), tops
+
+    def _finished(self, req: _Request, tok: int) -> tuple[str, int | str | None] | None:
+        p = req.params
+        if tok in p.stop_token_ids or tok in self.eos_token_ids:
+            return ("stop", tok)
+        if p.stop and self._decode is not None:
+            text = self._decode(req.out_ids)
+            for s in p.stop:
+                if s and s in text:
+                    return ("stop", s)
+        if len(req.out_ids) >= p.max_new_tokens:
+            return ("length", None)
+        if len(req.prompt_ids) + len(req.out_ids) >= self.max_context:
+            return ("length", None)
+        return None
+
+    def _retain(self, keep: list[int]) -> None:
+        if len(keep) == len(self._active):
+            return
+        if not keep:
+            self._active, self._cache, self._mask = [], None, None
+            return
+        assert self._mask is not None
+        idx = torch.tensor(keep)
+        self._active = [self._active[i] for i in keep]
+        mask = self._mask.index_select(0, idx)
+        # Drop columns that are padding in every remaining row.
+        trim = int((mask.cumsum(1) == 0).all(0).sum())
+        self._mask = mask[:, trim:]
+        dev_idx = idx.to(self._device)
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, dev_idx)[:, :, trim:]
+            layer.values = layer.values.index_select(0, dev_idx)[:, :, trim:]
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers >= 5.24 names the KV-cache argument ``cache``; earlier: past_key_values."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(base.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_of(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad the sequence dimension (dim -2 for KV [B,H,T,D], dim -1 for masks [B,T])."""
+    if t.dim() == 2:
+        missing = width - t.shape[1]
+        if missing == 0:
+            return t
+        return torch.cat([torch.zeros(t.shape[0], missing, dtype=t.dtype), t], 1)
+    missing = width - t.shape[2]
+    if missing == 0:
+        return t
+    pad = torch.zeros(t.shape[0], t.shape[1], missing, t.shape[3], dtype=t.dtype, device=t.device)
+    return torch.cat([pad, t], 2)
+
+
+def _sample_row(logp: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """Sample one token from temperature-scaled logprobs with top-k / top-p truncation."""
+    scores = logp
+    if p.top_k and p.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, p.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, -1)
+        # keep the smallest prefix whose mass reaches top_p (always keep the first)
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, -1)
+    return int(torch.multinomial(probs, 1, generator=gen))

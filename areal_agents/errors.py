@@ -1,0 +1,106 @@
+"""The exception hierarchy of areal-agents.
+
+Errors split by blame. Caller errors are raised at once; rollout errors happen inside an
+episode, are recorded on it, counted, and never crash a batch::
+
+    ArealError
+    ├── UserError                 the caller misused the SDK: raised at once
+    │   ├── ConfigError           a configuration value is wrong (names the key and the fix)
+    │   ├── EnvNotFound           an unknown environment id ("Did you mean ...?")
+    │   ├── ModelNotFound         a model directory / default model cannot be found
+    │   └── SessionError          an unknown, closed or foreign session
+    └── RolloutError              something failed inside an episode: recorded, not raised
+        ├── ToolError             a tool raised or timed out
+        ├── ToolCallParseError    the model emitted a tool call that cannot be parsed
+        ├── ModelBehaviorError    the model did something else that cannot be used
+        ├── BackendError          the inference engine or server failed
+        ├── ContextOverflow       prompt + max tokens exceed the model's context
+        ├── EnvError              the environment (or its user simulator) failed
+        └── EpisodeTimeout        the episode ran past its time limit
+
+Every ``RolloutError`` has a short machine-readable ``kind`` used as the counted reason.
+"""
+
+from __future__ import annotations
+
+
+class ArealError(Exception):
+    """Base class of every error raised by areal-agents."""
+
+
+class UserError(ArealError):
+    """The caller misused the SDK. The message says what is wrong and how to fix it."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is wrong. May carry several problems at once."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        self.problems = list(problems or [])
+        if self.problems:
+            message = message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(message)
+
+
+class EnvNotFound(UserError, LookupError):
+    """An environment id is not registered."""
+
+
+class ModelNotFound(UserError, FileNotFoundError):
+    """A model cannot be found or prepared."""
+
+
+class SessionError(UserError):
+    """A session id or key is unknown, closed, or belongs to another session."""
+
+
+class RolloutError(ArealError):
+    """A failure inside an episode. Recorded on the episode and counted by ``kind``."""
+
+    kind: str = "rollout_error"
+
+
+class ToolError(RolloutError):
+    kind = "tool_error"
+
+
+class ToolCallParseError(RolloutError):
+    kind = "tool_call_parse_error"
+
+
+class ModelBehaviorError(RolloutError):
+    kind = "model_behavior_error"
+
+
+class BackendError(RolloutError):
+    kind = "backend_error"
+
+
+class ContextOverflow(RolloutError):
+    kind = "context_overflow"
+
+
+class EnvError(RolloutError):
+    kind = "env_error"
+
+
+class EpisodeTimeout(RolloutError):
+    kind = "timeout"
+
+
+__all__ = [
+    "ArealError",
+    "BackendError",
+    "ConfigError",
+    "ContextOverflow",
+    "EnvError",
+    "EnvNotFound",
+    "EpisodeTimeout",
+    "ModelBehaviorError",
+    "ModelNotFound",
+    "RolloutError",
+    "SessionError",
+    "ToolCallParseError",
+    "ToolError",
+    "UserError",
+]

@@ -1,0 +1,134 @@
+"""Wire schemas of the proxy's HTTP API (pydantic lives only at this boundary)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Message:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs the tool_call_id it answers")
+        if self.role in ("user", "system", "developer") and self.content is None:
+            raise ValueError(f"a message with role {self.role!r} needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.get("type") != "text":
+                    raise ValueError(
+                        f"content part of type {part.get('type')!r} is not supported; "
+                        "this model takes text parts only"
+                    )
+        return self
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """The OpenAI chat completion request, with the sampling extras vLLM and SGLang accept."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Any = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=64)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            names = [t.function.name for t in self.tools or []]
+            if name not in names:
+                raise ValueError(f"tool_choice names {name!r}, which is not in tools {names}")
+        elif choice not in (None, "auto", "none", "required"):
+            raise ValueError("tool_choice must be 'auto', 'none', 'required' or a function")
+        if choice == "required" and not self.tools:
+            raise ValueError("tool_choice='required' needs tools")
+        return self
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group_id: str | None = None
+    task_id: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class RewardIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    value: float = Field(allow_inf_nan=False)
+    completion_id: str | None = None
+    tool_call_id: str | None = None
+    final: bool = False
+
+
+class EndIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    final_reward: float | None = Field(default=None, allow_inf_nan=False)
+    reason: str | None = None
+    error: dict[str, Any] | None = None

@@ -1,0 +1,89 @@
+"""Running the proxy: in-process on a background thread (tests, notebooks, the trainer) or in
+the foreground (``areal-agent serve``)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from .proxy import Proxy
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ProxyServer:
+    """A uvicorn server running a :class:`Proxy` on its own thread and event loop.
+
+    Example::
+
+        with ProxyServer.start(proxy) as server:
+            print(server.url)            # http://127.0.0.1:PORT
+            session = proxy.sessions.create()
+    """
+
+    proxy: Proxy
+    host: str
+    port: int
+    _server: uvicorn.Server
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI ``base_url`` of this proxy."""
+        return f"{self.url}/v1"
+
+    @classmethod
+    def start(
+        cls, proxy: Proxy, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0
+    ) -> ProxyServer:
+        port = port or free_port(host)
+        if proxy.public_url is None:
+            proxy.public_url = f"http://{host}:{port}"
+        config = uvicorn.Config(
+            proxy.app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
+        )
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, name="areal-proxy", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the proxy did not start on {host}:{port}")
+            time.sleep(0.01)
+        return cls(proxy, host, port, server, thread)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> ProxyServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve_forever(proxy: Proxy, host: str, port: int) -> None:
+    """Serve in the foreground until interrupted (used by ``areal-agent serve``)."""
+    proxy.public_url = proxy.public_url or f"http://{host}:{port}"
+    config = uvicorn.Config(proxy.app, host=host, port=port, log_level="info", access_log=False)
+    server = uvicorn.Server(config)
+    try:
+        asyncio.run(server.serve())
+    finally:
+        asyncio.run(proxy.engine.close())

