@@ -80,6 +80,7 @@ Example (runs with any tokenizer directory that has ``tokenizer.json``)::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -105,8 +106,8 @@ __all__ = ["ChatTokenizer", "format_tool_call", "load_tokenizer", "render_tool_p
 Message = Mapping[str, Any]
 
 # The named special tokens passed to every template (transformers' SPECIAL_TOKENS_ATTRIBUTES).
-_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token")
-_SPECIAL_TOKEN_NAMES += ("cls_token", "mask_token")
+_SPECIAL_TOKEN_NAMES: tuple[str, ...] = ("bos_token", "eos_token", "unk_token", "sep_token")
+_SPECIAL_TOKEN_NAMES += ("pad_token", "cls_token", "mask_token")
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _TEXT_PART_TYPES = ("text", "input_text", "output_text")
 # transformers writes int(1e30) as model_max_length when the model gives none.
@@ -395,6 +396,22 @@ def _inline_tools(messages: list[dict[str, Any]], tools: list[Any] | None) -> li
 # --- the tokenizer ---------------------------------------------------------------------------
 
 
+def _added_token_splitter(tokenizer: Tokenizer) -> tuple[re.Pattern[str], dict[str, int]] | None:
+    """A regex that splits text at added tokens exactly as the tokenizer does, or ``None``
+    when some added token has matching options (strip, single word, normalized) that a plain
+    split would not reproduce."""
+    decoder = tokenizer.get_added_tokens_decoder()
+    if not decoder:
+        return None
+    for token in decoder.values():
+        if token.lstrip or token.rstrip or token.single_word or token.normalized:
+            return None
+    added = {token.content: i for i, token in decoder.items()}
+    # Longest first, so that the alternation picks the leftmost-longest match.
+    alternatives = sorted(added, key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")"), added
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """Character -> byte for byte-level BPE vocabularies (GPT-2 style).
 
@@ -424,7 +441,7 @@ class ChatTokenizer:
         special_tokens: The named special tokens (``eos_token``, ...) passed to templates.
         eos_token_ids: The ids that end generation: the tokenizer's eos, then any in
             ``generation_config.json`` and ``config.json``.
-        pad_token_id: The padding id, or ``None`` when the model names none.
+        pad_token_id: The padding id: the pad token's, else the model config's; ``None`` if neither.
         model_max_length: The context length: the smaller of the tokenizer's
             ``model_max_length`` and the model's ``max_position_embeddings`` (whichever are
             known), or ``None``.
@@ -447,8 +464,9 @@ class ChatTokenizer:
         self.special_tokens = dict(special_tokens or {})
         eos = [self.token_id(self.special_tokens.get("eos_token", "")), *eos_token_ids]
         self.eos_token_ids = list(dict.fromkeys(i for i in eos if i is not None))
-        pad = self.token_id(self.special_tokens.get("pad_token", ""))
-        self.pad_token_id = pad if pad is not None else pad_token_id
+        if pad_token_id is None:
+            pad_token_id = self.token_id(self.special_tokens.get("pad_token", ""))
+        self.pad_token_id = pad_token_id
         self.model_max_length = model_max_length
         self.name_or_path = name_or_path
         self._added = {
@@ -456,6 +474,8 @@ class ChatTokenizer:
         }
         self._bytes_cache: dict[int, bytes] = {}
         self._decoder_kind = _decoder_kind(tokenizer)
+        self._splitter = _added_token_splitter(tokenizer)
+        self._piece_ids = functools.lru_cache(maxsize=8192)(self._encode_piece)
 
     def __repr__(self) -> str:
         return (
@@ -500,9 +520,14 @@ class ChatTokenizer:
             text_model.get("max_position_embeddings"),
         ]
         known = [n for n in max_lengths if isinstance(n, int) and 0 < n < _UNSET_MAX_LENGTH]
-        pad_ids = [generation.get("pad_token_id"), model.get("pad_token_id")]
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        pad_ids = [
+            tokenizer.token_to_id(special["pad_token"]) if "pad_token" in special else None,
+            generation.get("pad_token_id"),
+            model.get("pad_token_id"),
+        ]
         return cls(
-            Tokenizer.from_file(str(tokenizer_file)),
+            tokenizer,
             chat_template=_read_chat_template(directory, config),
             special_tokens=special,
             eos_token_ids=[*_ids(generation.get("eos_token_id")), *_ids(model.get("eos_token_id"))],
@@ -588,7 +613,22 @@ class ChatTokenizer:
 
         With the Qwen3 tokenizer, ``encode("<|im_start|>user")`` is ``[151644, 872]``.
         """
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        if self._splitter is None:
+            return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        # The tokenizer splits on added tokens before anything else, so the pieces between
+        # them tokenize independently: cache them (system prompts, tool lists and history
+        # repeat across the turns of an episode).
+        ids: list[int] = []
+        pattern, added = self._splitter
+        for k, piece in enumerate(pattern.split(text)):
+            if k % 2:
+                ids.append(added[piece])
+            elif piece:
+                ids.extend(self._piece_ids(piece))
+        return ids
+
+    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+        return tuple(self._tokenizer.encode(piece, add_special_tokens=False).ids)
 
     def encode_chat(
         self,

@@ -175,7 +175,7 @@ class _CallError(ValueError):
 
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
-_END_OF_TURN = re.compile(r"(?:\s*(?:<\|im_end\|>|<\|eot_id\|>|<\|eom_id\|>|</s>))+\s*\Z")
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>")
 _WS = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 _TOOL_CALL_OPEN, _TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -208,9 +208,8 @@ def _split_reasoning(text: str) -> tuple[str | None, str, int]:
 
 def _parse_body(body: str, offset: int) -> tuple[list[_Call], list[str], str]:
     """Find the calls in ``body``; return (calls, errors, content left over)."""
-    match = _END_OF_TURN.search(body)
-    if match:
-        body = body[: match.start()]
+    while (stripped := body.rstrip()).endswith(_END_OF_TURN):
+        body = stripped[: stripped.rindex("<")]  # every end-of-turn token starts with "<"
     if _MISTRAL_MARKER in body:
         return _parse_mistral(body, offset)
     if _TOOL_CALL_OPEN in body or _FUNCTION_TAG.search(body):
@@ -224,9 +223,11 @@ def _parse_tagged(body: str, offset: int) -> tuple[list[_Call], list[str], str]:
     errors: list[str] = []
     kept: list[str] = []
     i = 0
+    fn = _FUNCTION_TAG.search(body)
     while True:
         tc = body.find(_TOOL_CALL_OPEN, i)
-        fn = _FUNCTION_TAG.search(body, i)
+        if fn is not None and fn.start() < i:  # search again only once passed: linear time
+            fn = _FUNCTION_TAG.search(body, i)
         if tc == -1 and fn is None:
             break
         if fn is None or (tc != -1 and tc <= fn.start()):
