@@ -1,0 +1,224 @@
+"""The base class of every areal environment: a Gymnasium env whose observations are chat
+messages and whose actions are assistant messages.
+
+The episode, step by step::
+
+    obs, info = env.reset(seed=0)      # obs: [system, user, ...]; info["tools"], info["task_id"]
+    obs, reward, terminated, truncated, info = env.step(assistant_message)
+    # obs: the NEW messages (tool results, feedback, the simulated user's reply)
+
+A subclass implements three hooks and inherits the rest:
+
+- :meth:`AgentEnv._start` picks the task for ``reset`` and returns its first messages and
+  ``info`` (with ``"task_id"``);
+- :meth:`AgentEnv.tools` returns the episode's :class:`tools.Tool` objects;
+- :meth:`AgentEnv._respond` answers an assistant message that has no tool calls (check a
+  final answer, give feedback, let a simulated user reply) and says whether the task ended.
+
+Optional hooks: :meth:`AgentEnv._tool_reward` (reward for a turn that made tool calls,
+0 by default) and :meth:`AgentEnv.score` (reward of a whole conversation, for frameworks
+that run their own loop).
+
+Semantics shared by every env:
+
+- ``max_turns`` counts assistant messages (steps). When step ``max_turns`` ends without
+  the task ending, ``truncated`` is True: a budget ran out, the task was not failed.
+- Every tool call gets exactly one ``tool`` message with its ``tool_call_id``. An unknown
+  tool name, malformed JSON arguments or a tool that raises produce an ``"Error: ..."``
+  message the model reads; ``info["tool_results"]`` lists ``{"tool_call_id", "name",
+  "error"}`` with ``error`` one of ``None``, ``"unknown_tool"``, ``"bad_tool_call"``,
+  ``"bad_arguments"``, ``"tool_exception"``, ``"timeout"``.
+- When the episode ends, ``info["success"]`` (bool) is set.
+- ``step`` before ``reset`` or after the end raises :class:`EpisodeEnded`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import gymnasium
+from gymnasium import spaces
+from gymnasium.error import ResetNeeded
+
+from areal_agents.errors import UserError
+from envs.spaces import AssistantMessage, ChatMessages
+from tools.tool import Tool, ToolResult
+
+__all__ = ["AgentEnv", "EpisodeEnded", "as_assistant_message", "run_tool_calls", "tool_schemas"]
+
+Message = dict[str, Any]
+
+
+class EpisodeEnded(UserError, ResetNeeded):
+    """``step`` was called before ``reset`` or after the episode ended."""
+
+
+def as_assistant_message(action: Any) -> Message:
+    """Normalize an action to an assistant message dict (a bare str becomes its content).
+
+    Raises ``TypeError`` for anything that is not a str or a message dict.
+    """
+    if isinstance(action, str):
+        return {"role": "assistant", "content": action}
+    if not isinstance(action, Mapping):
+        raise TypeError(f"expected an assistant message dict or a str, got {type(action).__name__}")
+    message = dict(action)
+    role = message.setdefault("role", "assistant")
+    if role != "assistant":
+        raise TypeError(f"expected an assistant message, got role {role!r}")
+    message.setdefault("content", None)
+    return message
+
+
+def tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    """The OpenAI tool schemas of ``tools``."""
+    return [tool.schema for tool in tools]
+
+
+def run_tool_calls(
+    tool_calls: Sequence[Any], tools: Sequence[Tool]
+) -> tuple[list[Message], list[dict[str, Any]]]:
+    """Execute an assistant message's tool calls; never raises for model mistakes.
+
+    Returns one ``tool`` message per call (in order) and the matching
+    ``{"tool_call_id", "name", "error"}`` records.
+    """
+    by_name = {tool.name: tool for tool in tools}
+    messages: list[Message] = []
+    records: list[dict[str, Any]] = []
+    for call in tool_calls:
+        call_id, name, result = _run_one(call, by_name)
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": result.content})
+        records.append({"tool_call_id": call_id, "name": name, "error": result.error})
+    return messages, records
+
+
+def _run_one(call: Any, by_name: Mapping[str, Tool]) -> tuple[str, str, ToolResult]:
+    call_id = call.get("id") if isinstance(call, Mapping) else None
+    call_id = call_id if isinstance(call_id, str) and call_id else f"call_{uuid.uuid4().hex[:12]}"
+    function = call.get("function") if isinstance(call, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str):
+        result = ToolResult(
+            'Error: malformed tool call; expected {"id": ..., "type": "function", '
+            '"function": {"name": ..., "arguments": "<JSON object>"}}',
+            error="bad_tool_call",
+        )
+        return call_id, "", result
+    tool = by_name.get(name)
+    if tool is None:
+        available = ", ".join(sorted(by_name)) or "none"
+        result = ToolResult(
+            f"Error: unknown tool {name!r}; available tools: {available}", error="unknown_tool"
+        )
+        return call_id, name, result
+    assert isinstance(function, Mapping)
+    return call_id, name, tool.call(function.get("arguments"))
+
+
+class AgentEnv(gymnasium.Env[list[Message], Message]):
+    """Base class of areal environments (see the module docstring for the contract).
+
+    Args:
+        max_turns: Number of assistant messages after which the episode is truncated.
+    """
+
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 (gymnasium's convention)
+    observation_space: spaces.Space[list[Message]] = ChatMessages()
+    action_space: spaces.Space[Message] = AssistantMessage()
+
+    def __init__(self, *, max_turns: int = 8) -> None:
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+            raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
+        self.max_turns = max_turns
+        self.turns = 0
+        self.messages: list[Message] = []
+        self._active = False
+        self._tools: list[Tool] = []
+
+    # ------------------------------------------------------------------ hooks
+
+    def _start(self, options: Mapping[str, Any]) -> tuple[list[Message], dict[str, Any]]:
+        """Pick the task (``options`` may hold ``task_id``/``task_index``; otherwise draw
+        from ``self.np_random``) and return its first messages and info (``"task_id"``)."""
+        raise NotImplementedError
+
+    def tools(self) -> list[Tool]:
+        """The tools of the current episode, bound to its state (call after ``reset``)."""
+        return list(self._tools)
+
+    def _respond(self, message: Message) -> tuple[list[Message], float, bool, dict[str, Any]]:
+        """Answer an assistant message without tool calls.
+
+        Returns (new messages, reward, terminated, info); set ``info["success"]`` when the
+        task ends."""
+        raise NotImplementedError
+
+    def _tool_reward(self, message: Message, records: list[dict[str, Any]]) -> float:
+        """Reward of a turn that made tool calls (0 by default)."""
+        return 0.0
+
+    def score(self, messages: Sequence[Message]) -> tuple[float, dict[str, Any]]:
+        """Score a whole conversation produced by an agent's own loop.
+
+        Returns (reward, info with ``"success"``). Subclasses override this."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement score()")
+
+    # ------------------------------------------------------------------ gymnasium API
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
+        """Start an episode; returns (the task's messages, info with "tools", "task_id")."""
+        super().reset(seed=seed)
+        self.turns = 0
+        first, info = self._start(dict(options or {}))
+        self.messages = [dict(m) for m in first]
+        self._active = True
+        info = dict(info)
+        info["tools"] = tool_schemas(self.tools())
+        info["task_id"] = str(info.get("task_id", ""))
+        return [dict(m) for m in first], info
+
+    def step(
+        self, action: Message | str
+    ) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+        """Apply one assistant message; returns (new messages, reward, terminated,
+        truncated, info)."""
+        if not self._active:
+            raise EpisodeEnded(
+                "step() called before reset() or after the episode ended "
+                "(terminated or truncated); call reset() to start a new episode"
+            )
+        message = as_assistant_message(action)
+        self.messages.append(message)
+        self.turns += 1
+        calls = message.get("tool_calls") or []
+        if isinstance(calls, Mapping):  # a single call not wrapped in a list
+            calls = [calls]
+        info: dict[str, Any]
+        if calls:
+            new, records = run_tool_calls(calls, self.tools())
+            reward, terminated, info = self._tool_reward(message, records), False, {}
+        else:
+            new, reward, terminated, info = self._respond(message)
+            records = []
+        info = {"tool_results": records, **info}
+        truncated = not terminated and self.turns >= self.max_turns
+        if terminated or truncated:
+            self._active = False
+            info.setdefault("success", False)
+        self.messages.extend(new)
+        reward = float(reward)
+        assert math.isfinite(reward), f"{type(self).__name__} produced a non-finite reward"
+        return new, reward, bool(terminated), bool(truncated), info
+
+    def render(self) -> None:
+        """Print the conversation so far."""
+        for message in self.messages:
+            text = message.get("content") or json.dumps(message.get("tool_calls"))
+            print(f"[{message['role']}] {text}")

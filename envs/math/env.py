@@ -1,0 +1,377 @@
+"""Math environments: ``areal/Math-v0`` (:class:`MathEnv`) and ``areal/Calculator-v0``
+(:class:`CalculatorEnv`).
+
+An episode is one problem. Each assistant turn either calls tools (the env runs them and
+returns ``tool`` messages) or answers. An answer is the content of an assistant message
+without tool calls; its final answer is extracted (``\\boxed{}``, ``#### X``,
+"answer is X", else the last number; see :mod:`envs.math.answer`) and checked against
+the gold answer.
+
+Rewards (defaults in brackets), per step:
+
+- an answer turn, correct: ``correct_reward`` [1.0]; the episode terminates with
+  ``success=True``;
+- an answer turn, wrong or without a findable answer: ``wrong_reward`` [0.0]. While fewer
+  than ``max_attempts`` answers were given, the env replies with a feedback ``user``
+  message and the episode goes on; after the last attempt it terminates with
+  ``success=False``;
+- a tool turn: ``tool_call_reward`` [0.0] when every call in it succeeded, else 0.
+
+``max_turns`` counts assistant messages; running out of turns truncates the episode
+(``success=False``). The end-of-episode ``info`` has ``success``, ``final_reward`` (the
+reward of the outcome), ``attempts``, ``predicted``, ``answer``, ``kind``, ``tool_used``.
+
+:class:`CalculatorEnv` may also require a successful calculator call before a correct
+answer counts (``require_tool``; off by default): a correct answer without one ends the
+episode with ``wrong_reward`` and ``info["reason"] = "no_tool_call"``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from envs.base import AgentEnv, Message
+from envs.math.answer import answers_match, extract_answer
+from envs.math.generator import generate_task
+from envs.math.tasks import MathTask, TaskPool, cached_pool, load_jsonl, reasoning_gym_pool
+from tools.calculator import calculator
+from tools.tool import Tool
+
+__all__ = ["CalculatorEnv", "MathEnv", "demos"]
+
+DEFAULT_NUM_TASKS = {"train": 5000, "test": 500}
+MATH_SYSTEM_PROMPT = (
+    "Solve the math problem step by step. You can call the tools for arithmetic. "
+    "When you are done, give the final answer as \\boxed{<answer>}."
+)
+CALCULATOR_SYSTEM_PROMPT = (
+    "You are a careful assistant with a calculator tool. First call the calculator with the "
+    "arithmetic expression that answers the question. After you read the result, reply with: "
+    "The answer is <number>."
+)
+WRONG_FEEDBACK = "Your answer {predicted} is not correct. Check your work and try again."
+NO_ANSWER_FEEDBACK = "I could not find a final answer. {format_hint}"
+
+ToolSource = Tool | Callable[[], Tool]
+
+
+class _AnswerEnv(AgentEnv):
+    """Shared episode logic: pick a task, run tools, check answers, give feedback."""
+
+    format_hint = "Give the final answer as \\boxed{<answer>}."
+
+    def __init__(
+        self,
+        pool: Sequence[MathTask],
+        *,
+        system_prompt: str,
+        max_turns: int,
+        max_attempts: int,
+        correct_reward: float,
+        wrong_reward: float,
+        tool_call_reward: float,
+        feedback: str,
+        require_tool: bool = False,
+    ) -> None:
+        super().__init__(max_turns=max_turns)
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        self.pool = pool
+        self.system_prompt = system_prompt
+        self.max_attempts = max_attempts
+        self.correct_reward = float(correct_reward)
+        self.wrong_reward = float(wrong_reward)
+        self.tool_call_reward = float(tool_call_reward)
+        self.feedback = feedback
+        self.require_tool = require_tool
+        self.task: MathTask | None = None
+        self.attempts = 0
+        self.tool_used = False
+
+    # ------------------------------------------------------------------ hooks
+
+    def _start(self, options: Mapping[str, Any]) -> tuple[list[Message], dict[str, Any]]:
+        self.task = self.pool[self._task_index(options)]
+        self.attempts, self.tool_used = 0, False
+        self._tools = self._episode_tools()
+        messages = [{"role": "system", "content": self.system_prompt}, *self._prefix_messages()]
+        messages.append({"role": "user", "content": self.task.question})
+        return messages, {"task_id": self.task.task_id, "kind": self.task.kind}
+
+    def _task_index(self, options: Mapping[str, Any]) -> int:
+        if "task_id" in options:
+            index = self.pool.find(str(options["task_id"]))  # type: ignore[attr-defined]
+            if index is None:
+                raise ValueError(f"no task with task_id {options['task_id']!r} in this pool")
+            return int(index)
+        if "task_index" in options:
+            index = int(options["task_index"])
+            if not 0 <= index < len(self.pool):
+                raise ValueError(f"task_index must be in [0, {len(self.pool)}), got {index}")
+            return index
+        return int(self.np_random.integers(len(self.pool)))
+
+    def _episode_tools(self) -> list[Tool]:
+        return [calculator]
+
+    def _prefix_messages(self) -> list[Message]:
+        return []
+
+    def _tool_reward(self, message: Message, records: list[dict[str, Any]]) -> float:
+        ok = bool(records) and all(r["error"] is None for r in records)
+        if any(r["error"] is None and r["name"] == "calculator" for r in records):
+            self.tool_used = True
+        return self.tool_call_reward if ok else 0.0
+
+    def _respond(self, message: Message) -> tuple[list[Message], float, bool, dict[str, Any]]:
+        assert self.task is not None
+        self.attempts += 1
+        predicted = extract_answer(message.get("content"))
+        correct = answers_match(predicted, self.task.answer)
+        info = self._outcome_info(predicted)
+        if correct and self.require_tool and not self.tool_used:
+            info.update(success=False, final_reward=self.wrong_reward, reason="no_tool_call")
+            return [], self.wrong_reward, True, info
+        if correct:
+            info.update(success=True, final_reward=self.correct_reward)
+            return [], self.correct_reward, True, info
+        if self.attempts >= self.max_attempts:
+            info.update(success=False, final_reward=self.wrong_reward, reason="wrong_answer")
+            return [], self.wrong_reward, True, info
+        return [self._feedback_message(predicted)], self.wrong_reward, False, info
+
+    def _feedback_message(self, predicted: str | None) -> Message:
+        if predicted is None:
+            text = NO_ANSWER_FEEDBACK.format(format_hint=self.format_hint)
+        else:
+            text = self.feedback.format(predicted=predicted)
+        return {"role": "user", "content": text}
+
+    def _outcome_info(self, predicted: str | None) -> dict[str, Any]:
+        assert self.task is not None
+        return {
+            "attempts": self.attempts,
+            "predicted": predicted,
+            "answer": self.task.answer,
+            "kind": self.task.kind,
+            "tool_used": self.tool_used,
+        }
+
+    def score(self, messages: Sequence[Message]) -> tuple[float, dict[str, Any]]:
+        """Score a conversation: its last assistant message without tool calls is the
+        answer. Returns (``correct_reward`` or ``wrong_reward``, info with ``success``)."""
+        if self.task is None:
+            raise RuntimeError("call reset() before score(): the task is chosen at reset")
+        finals = [m for m in messages if m.get("role") == "assistant" and not m.get("tool_calls")]
+        predicted = extract_answer(finals[-1].get("content")) if finals else None
+        tool_used = _used_calculator(messages)
+        success = answers_match(predicted, self.task.answer) and (
+            tool_used or not self.require_tool
+        )
+        reward = self.correct_reward if success else self.wrong_reward
+        info = {
+            "success": success,
+            "predicted": predicted,
+            "answer": self.task.answer,
+            "kind": self.task.kind,
+            "tool_used": tool_used,
+        }
+        return reward, info
+
+
+def _used_calculator(messages: Sequence[Message]) -> bool:
+    """True when a calculator call got a result that is not an error."""
+    call_ids = {
+        call.get("id")
+        for m in messages
+        if m.get("role") == "assistant"
+        for call in (m.get("tool_calls") or [])
+        if isinstance(call, dict) and call.get("function", {}).get("name") == "calculator"
+    }
+    return any(
+        m.get("role") == "tool"
+        and m.get("tool_call_id") in call_ids
+        and not str(m.get("content", "")).startswith("Error")
+        for m in messages
+    )
+
+
+class MathEnv(_AnswerEnv):
+    """GSM8K-style word problems, multi-turn, with a calculator (and optional python) tool.
+
+    Args:
+        split: ``"train"`` or ``"test"`` (disjoint by question; see :mod:`envs.math.tasks`).
+        data_path: A GSM8K-format JSONL file to use instead of generated tasks.
+        datasets: reasoning-gym datasets to draw from (interleaved).
+        num_tasks: Pool size [5000 train, 500 test].
+        seed: Seed of the reasoning-gym generators (the task stream).
+        python_tool: An extra tool (e.g. a sandboxed python tool), or a function returning
+            a fresh one for each episode. Only the calculator by default.
+        max_turns: Assistant messages before truncation [8].
+        max_attempts: Answers allowed; wrong ones get feedback until then [2].
+        correct_reward, wrong_reward, tool_call_reward: See the module docstring.
+        feedback: Reply to a wrong answer; ``{predicted}`` is replaced by the answer read.
+        system_prompt: The system message.
+    """
+
+    def __init__(
+        self,
+        *,
+        split: Literal["train", "test"] = "train",
+        data_path: str | None = None,
+        datasets: Sequence[str] = ("gsm_symbolic",),
+        num_tasks: int | None = None,
+        seed: int = 0,
+        python_tool: ToolSource | None = None,
+        max_turns: int = 8,
+        max_attempts: int = 2,
+        correct_reward: float = 1.0,
+        wrong_reward: float = 0.0,
+        tool_call_reward: float = 0.0,
+        feedback: str = WRONG_FEEDBACK,
+        system_prompt: str = MATH_SYSTEM_PROMPT,
+    ) -> None:
+        if data_path is not None:
+            pool: Sequence[MathTask] = load_jsonl(data_path)
+        else:
+            size = num_tasks or DEFAULT_NUM_TASKS[split]
+            pool = reasoning_gym_pool(datasets, split, size, seed=seed)
+        super().__init__(
+            pool,
+            system_prompt=system_prompt,
+            max_turns=max_turns,
+            max_attempts=max_attempts,
+            correct_reward=correct_reward,
+            wrong_reward=wrong_reward,
+            tool_call_reward=tool_call_reward,
+            feedback=feedback,
+        )
+        self.python_tool = python_tool
+
+    def _episode_tools(self) -> list[Tool]:
+        if self.python_tool is None:
+            return [calculator]
+        extra = self.python_tool if isinstance(self.python_tool, Tool) else self.python_tool()
+        return [calculator, extra]
+
+
+def calculator_pool(kind: str, split: str, num_tasks: int, word_fraction: float) -> TaskPool:
+    """The (cached) pool of generated calculator tasks."""
+
+    def build() -> TaskPool:
+        return TaskPool(
+            lambda j: generate_task(kind, j, word_fraction=word_fraction),
+            split,  # type: ignore[arg-type]
+            num_tasks,
+        )
+
+    return cached_pool(("calculator", kind, split, num_tasks, word_fraction), build)
+
+
+class CalculatorEnv(_AnswerEnv):
+    """Two-turn calculator tool use: call calculator(expression), then answer.
+
+    Args:
+        split: ``"train"`` or ``"test"`` (disjoint by question).
+        kind: ``"arithmetic"``, ``"word"`` or ``"mixed"`` tasks [mixed].
+        word_fraction: Share of word problems when ``kind="mixed"`` [0.5].
+        num_tasks: Pool size [5000 train, 500 test].
+        few_shot: Number of worked example conversations placed before the question
+            (``True`` means 2: one arithmetic, one word problem) [0].
+        require_tool: Count a correct answer only after a successful calculator call [False].
+        max_turns: Assistant messages before truncation [4].
+        max_attempts: Answers allowed [1].
+        correct_reward, wrong_reward, tool_call_reward: See the module docstring.
+        feedback: Reply to a wrong answer when ``max_attempts > 1``.
+        system_prompt: The system message.
+    """
+
+    format_hint = "Reply with: The answer is <number>."
+
+    def __init__(
+        self,
+        *,
+        split: Literal["train", "test"] = "train",
+        kind: Literal["arithmetic", "word", "mixed"] = "mixed",
+        word_fraction: float = 0.5,
+        num_tasks: int | None = None,
+        few_shot: int | bool = 0,
+        require_tool: bool = False,
+        max_turns: int = 4,
+        max_attempts: int = 1,
+        correct_reward: float = 1.0,
+        wrong_reward: float = 0.0,
+        tool_call_reward: float = 0.0,
+        feedback: str = WRONG_FEEDBACK,
+        system_prompt: str = CALCULATOR_SYSTEM_PROMPT,
+    ) -> None:
+        size = num_tasks or DEFAULT_NUM_TASKS[split]
+        super().__init__(
+            calculator_pool(kind, split, size, word_fraction),
+            system_prompt=system_prompt,
+            max_turns=max_turns,
+            max_attempts=max_attempts,
+            correct_reward=correct_reward,
+            wrong_reward=wrong_reward,
+            tool_call_reward=tool_call_reward,
+            feedback=feedback,
+            require_tool=require_tool,
+        )
+        self.few_shot = 2 if few_shot is True else int(few_shot)
+
+    def _prefix_messages(self) -> list[Message]:
+        return [m for task in example_tasks(self.few_shot) for m in solved_turns(task, "example")]
+
+
+def example_tasks(n: int) -> list[MathTask]:
+    """``n`` fixed train-split tasks for few-shot prompts, alternating arithmetic and word."""
+    pools = [calculator_pool(k, "train", 50, 0.5) for k in ("arithmetic", "word")]
+    return [pools[i % 2][i // 2] for i in range(n)]
+
+
+def solved_turns(task: MathTask, call_prefix: str = "call") -> list[Message]:
+    """The correct turns for a calculator task: the question, the calculator call, its
+    result and the final answer."""
+    assert task.expression is not None, "solved_turns needs a task with an expression"
+    call_id = f"{call_prefix}_{task.task_id}"
+    result = calculator.call({"expression": task.expression}).content
+    return [
+        {"role": "user", "content": task.question},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {
+                        "name": "calculator",
+                        "arguments": json.dumps({"expression": task.expression}),
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+        {"role": "assistant", "content": f"The answer is {result}."},
+    ]
+
+
+def demos(
+    n: int, seed: int = 0, kind: Literal["arithmetic", "word", "mixed"] = "mixed"
+) -> list[list[Message]]:
+    """``n`` correct Calculator-v0 conversations for a supervised warm start.
+
+    Each is ``[system, user, assistant tool call, tool result, assistant answer]``, with the
+    default system prompt of :class:`CalculatorEnv` (render the calculator's schema
+    ``tools.calculator.schema`` with them). Tasks are distinct, drawn from the train split
+    only (never a test question), in an order fixed by ``seed``.
+    """
+    if n < 0:
+        raise ValueError(f"n must be non-negative, got {n}")
+    pool = calculator_pool(kind, "train", max(n, DEFAULT_NUM_TASKS["train"]), 0.5)
+    indices = random.Random(seed).sample(range(len(pool)), n)
+    system = {"role": "system", "content": CALCULATOR_SYSTEM_PROMPT}
+    return [[dict(system), *solved_turns(pool[i])] for i in indices]

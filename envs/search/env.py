@@ -1,0 +1,262 @@
+"""``areal/Search-v0``: multi-hop question answering over a local corpus.
+
+The agent gets a question and two tools:
+
+- ``search(query)``: the top-k documents for a query (id, title and a snippet each);
+- ``open(doc)``: the full text of a document, by id or by title.
+
+It ends the episode with an assistant message without tool calls whose final answer is
+written as ``Answer: X`` (or ``\\boxed{X}``; a message with neither counts as the answer
+in full). The reward is the exact match of the normalized answer (``reward="em"``) or its
+token F1 (``reward="f1"``) against the accepted aliases; tool turns earn
+``turn_reward`` (0 by default).
+
+Data: by default a procedurally generated knowledge base of fictional entities
+(:mod:`envs.search.kb`), so answers cannot be memorized; or any corpus (JSONL
+``{"id", "title", "text"}``) with a QA file (JSONL ``{"question", "answer", "id"?}``).
+Questions are split into train and test by a seeded shuffle, or by the QA rows' own
+``"split"`` field.
+
+    >>> env = SearchEnv(kb_questions=30)
+    >>> messages, info = env.reset(seed=0)
+    >>> [t["function"]["name"] for t in info["tools"]]
+    ['search', 'open']
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from areal_agents.errors import ToolError, UserError
+from envs.base import AgentEnv
+from envs.search.answer import (
+    exact_match,
+    extract_answer,
+    f1_score,
+    load_qa,
+    split_examples,
+)
+from envs.search.kb import QAExample, generate_knowledge_base
+from tools.retriever import BM25Retriever, DenseRetriever, Document, Retriever, load_documents
+from tools.tool import Tool, function_tool
+
+__all__ = ["SYSTEM_PROMPT", "SearchEnv"]
+
+Message = dict[str, Any]
+
+SYSTEM_PROMPT = (
+    "You answer questions using a document collection. Call search(query) to find "
+    "documents (it returns ids, titles and snippets) and open(doc) with a document id or "
+    "title to read a document in full. Questions may need several steps: find the "
+    "first entity, read its document, then follow what it says. When you know the answer, "
+    "reply without calling a tool and end with a line 'Answer: <short answer>'."
+)
+
+
+class SearchEnv(AgentEnv):
+    """Multi-hop question answering over a local corpus with search and open tools.
+
+    Args:
+        corpus: JSONL file of documents, or a list of :class:`Document`. ``None`` uses the
+            generated knowledge base.
+        qa: JSONL QA file, or a list of :class:`QAExample` (required with ``corpus``).
+        split: ``"train"``, ``"test"`` or ``"all"`` (or a name used by the QA rows).
+        split_seed: seed of the train/test shuffle.
+        test_fraction: share of the questions in the test split.
+        kb_seed: seed of the generated knowledge base.
+        kb_questions: number of generated questions.
+        hops: chain lengths of the generated questions.
+        retriever: ``"bm25"``, ``"dense"`` (needs sentence-transformers), or a
+            :class:`tools.retriever.Retriever` built over the same corpus.
+        top_k: number of search results.
+        reward: ``"em"`` (exact match) or ``"f1"`` (token F1) for the final answer.
+        turn_reward: reward of each turn that calls tools.
+        max_doc_chars: ``open`` cuts documents after this many characters.
+        max_turns: the episode is truncated after this many assistant messages.
+    """
+
+    def __init__(
+        self,
+        *,
+        corpus: str | os.PathLike[str] | Sequence[Document] | None = None,
+        qa: str | os.PathLike[str] | Sequence[QAExample] | None = None,
+        split: str = "train",
+        split_seed: int = 0,
+        test_fraction: float = 0.2,
+        kb_seed: int = 0,
+        kb_questions: int = 600,
+        hops: Sequence[int] = (1, 2, 3),
+        retriever: Literal["bm25", "dense"] | Retriever = "bm25",
+        top_k: int = 5,
+        reward: Literal["em", "f1"] = "em",
+        turn_reward: float = 0.0,
+        max_doc_chars: int = 4000,
+        max_turns: int = 10,
+    ) -> None:
+        super().__init__(max_turns=max_turns)
+        if reward not in ("em", "f1"):
+            raise ValueError(f"reward: expected 'em' or 'f1', got {reward!r}")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k: expected a positive int, got {top_k!r}")
+        documents, examples, explicit = self._load(corpus, qa, kb_seed, kb_questions, hops)
+        self.tasks = split_examples(
+            examples, split, explicit=explicit, seed=split_seed, test_fraction=test_fraction
+        )
+        self.retriever = _make_retriever(retriever, documents)
+        self.reward_kind = reward
+        self.turn_reward = float(turn_reward)
+        self.top_k = top_k
+        self.max_doc_chars = max_doc_chars
+        self.task: QAExample | None = None
+        self._tools = self._make_tools()
+
+    @staticmethod
+    def _load(
+        corpus: str | os.PathLike[str] | Sequence[Document] | None,
+        qa: str | os.PathLike[str] | Sequence[QAExample] | None,
+        kb_seed: int,
+        kb_questions: int,
+        hops: Sequence[int],
+    ) -> tuple[list[Document], list[QAExample], list[str | None] | None]:
+        if corpus is None:
+            if qa is not None:
+                raise ValueError("qa was given without corpus: pass both, or neither")
+            kb = generate_knowledge_base(kb_seed, n_questions=kb_questions, hops=hops)
+            return kb.documents, kb.questions, None
+        if qa is None:
+            raise ValueError("corpus was given without qa: pass a QA file or list too")
+        documents = (
+            load_documents(corpus) if isinstance(corpus, (str, os.PathLike)) else list(corpus)
+        )
+        if isinstance(qa, (str, os.PathLike)):
+            examples, explicit = load_qa(qa)
+            return documents, examples, explicit
+        return documents, list(qa), None
+
+    # ------------------------------------------------------------------ tools
+
+    def _make_tools(self) -> list[Tool]:
+        retriever, top_k, max_chars = self.retriever, self.top_k, self.max_doc_chars
+
+        def search(query: str) -> str:
+            """Search the document collection.
+
+            Args:
+                query: Keywords or a question, e.g. the name of an entity.
+            """
+            if not query.strip():
+                raise ToolError("the query is empty; pass keywords, e.g. an entity's name")
+            hits = retriever.search(query, k=top_k)
+            if not hits:
+                return f"No document matches {query!r}. Try other keywords."
+            lines = [
+                f"[{i}] id: {h.doc_id} | title: {h.title}\n    {h.snippet}"
+                for i, h in enumerate(hits, start=1)
+            ]
+            return "\n".join(lines)
+
+        def open_document(doc: str) -> str:
+            """Read a document in full.
+
+            Args:
+                doc: The document's id (from search results) or its exact title.
+            """
+            document = retriever.get(doc.strip())
+            if document is None:
+                titles = [d.title for d in retriever.documents]
+                close = difflib.get_close_matches(doc, titles, n=3)
+                hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+                raise ToolError(
+                    f"no document has the id or title {doc!r}.{hint} "
+                    "Use search to find document ids."
+                )
+            text = document.text
+            if len(text) > max_chars:
+                text = text[:max_chars] + f"\n[document truncated after {max_chars} characters]"
+            return f"id: {document.id}\ntitle: {document.title}\n\n{text}"
+
+        return [function_tool(search), function_tool(open_document, name="open")]
+
+    # ------------------------------------------------------------------ episode hooks
+
+    def _start(self, options: Mapping[str, Any]) -> tuple[list[Message], dict[str, Any]]:
+        self.task = self._pick(options)
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": self.task.question},
+        ]
+        info = {"task_id": self.task.id, "question": self.task.question, "hops": self.task.hops}
+        return messages, info
+
+    def _pick(self, options: Mapping[str, Any]) -> QAExample:
+        if "task_id" in options:
+            wanted = str(options["task_id"])
+            for task in self.tasks:
+                if task.id == wanted:
+                    return task
+            raise UserError(f"no task with id {wanted!r} in this split ({len(self.tasks)} tasks)")
+        if "task_index" in options:
+            index = options["task_index"]
+            if not isinstance(index, int) or not 0 <= index < len(self.tasks):
+                raise UserError(
+                    f"task_index: expected an int in [0, {len(self.tasks)}), got {index!r}"
+                )
+            return self.tasks[index]
+        return self.tasks[int(self.np_random.integers(len(self.tasks)))]
+
+    def _tool_reward(self, message: Message, records: list[dict[str, Any]]) -> float:
+        return self.turn_reward
+
+    def _respond(self, message: Message) -> tuple[list[Message], float, bool, dict[str, Any]]:
+        assert self.task is not None
+        reward, info = self._grade(message.get("content"), self.task)
+        return [], reward, True, info
+
+    def _grade(self, content: str | None, task: QAExample) -> tuple[float, dict[str, Any]]:
+        predicted = extract_answer(content)
+        em = exact_match(predicted, task.answers)
+        f1 = f1_score(predicted, task.answers)
+        reward = em if self.reward_kind == "em" else f1
+        info = {
+            "success": em == 1.0,
+            "final_reward": reward,
+            "em": em,
+            "f1": f1,
+            "predicted": predicted,
+            "answers": list(task.answers),
+        }
+        return reward, info
+
+    def score(self, messages: Sequence[Message]) -> tuple[float, dict[str, Any]]:
+        """Score a conversation: the last assistant message without tool calls holds the
+        answer to the current task (or, before any reset, the task whose question is the
+        first user message)."""
+        task = self.task or self._task_for(messages)
+        finals = [
+            m
+            for m in messages
+            if isinstance(m, Mapping) and m.get("role") == "assistant" and not m.get("tool_calls")
+        ]
+        if not finals:
+            return 0.0, {"success": False, "final_reward": 0.0, "predicted": None}
+        return self._grade(finals[-1].get("content"), task)
+
+    def _task_for(self, messages: Sequence[Message]) -> QAExample:
+        users = [m.get("content") for m in messages if m.get("role") == "user"]
+        for task in self.tasks:
+            if users and task.question == users[0]:
+                return task
+        raise UserError("score() needs reset() first, or a conversation asking a known question")
+
+
+def _make_retriever(kind: str | Retriever, documents: list[Document]) -> Retriever:
+    if isinstance(kind, Retriever):
+        return kind
+    if kind == "bm25":
+        return BM25Retriever(documents)
+    if kind == "dense":
+        return DenseRetriever(documents)
+    raise ValueError(f"retriever: expected 'bm25', 'dense' or a Retriever, got {kind!r}")

@@ -1,0 +1,229 @@
+"""The sandboxed Python executor: output, every failure mode with its message, limits,
+isolation and concurrency. Limits are small so the whole file runs in a few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+
+from tools.sandbox import make_python_tool, python_tool, run_python, run_python_sync
+from tools.tool import Tool
+
+FAST: dict[str, Any] = {"timeout_s": 5.0, "memory_mb": 256, "max_output_chars": 2000}
+
+
+async def test_runs_code_and_captures_stdout_and_stderr() -> None:
+    result = await run_python("import sys\nprint(6 * 7)\nprint('warn', file=sys.stderr)", **FAST)
+    assert result.ok and result.error is None and result.message == ""
+    assert result.stdout == "42\n"
+    assert result.stderr == "warn\n"
+    assert result.exit_code == 0
+    assert not result.truncated
+    assert result.to_text() == "42\nwarn\n"
+
+
+async def test_no_output_is_said() -> None:
+    result = await run_python("x = 1", **FAST)
+    assert result.ok and result.to_text() == "(no output)"
+
+
+async def test_infinite_loop_times_out() -> None:
+    result = await run_python("print('start')\nwhile True:\n    pass", timeout_s=0.5)
+    assert result.error == "timeout"
+    assert result.message == "Error: timed out after 0.5 s"
+    assert result.exit_code is None
+    assert result.stdout == "start\n"  # output printed before the kill is kept
+    assert result.duration_s < 3.0
+
+
+async def test_memory_bomb_fails_with_memory_message() -> None:
+    code = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 1024 * 1024))"
+    result = await run_python(code, timeout_s=5.0, memory_mb=128)
+    assert result.error == "memory"
+    assert result.message == "Error: memory limit of 128 MB exceeded"
+    assert "MemoryError" in result.stderr
+
+
+async def test_fork_bomb_hits_process_limit() -> None:
+    code = "import os\nwhile True:\n    os.fork()"
+    result = await run_python(code, timeout_s=5.0, max_processes=3)
+    assert result.error == "process"
+    assert result.message.startswith("Error: process limit reached")
+    assert "at most 3 processes" in result.message
+
+
+async def test_multiprocessing_within_the_limit_works() -> None:
+    code = (
+        "import os\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    print('child'); os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print('parent')\n"
+    )
+    result = await run_python(code, **FAST, max_processes=1)
+    assert result.ok, result.to_text()
+    assert sorted(result.stdout.split()) == ["child", "parent"]
+
+
+async def test_starting_programs_is_refused() -> None:
+    result = await run_python("import subprocess\nsubprocess.run(['echo', 'hi'])", **FAST)
+    assert result.error == "program"
+    assert result.message.startswith("Error: running other programs is disabled in the sandbox")
+    result = await run_python("import os\nos.system('echo hi')", **FAST)
+    assert result.error == "program"
+
+
+@pytest.mark.parametrize("use_namespaces", [None, False])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
+        "import socket\nsocket.getaddrinfo('localhost', 80)",
+        "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:9/', timeout=1)",
+    ],
+    ids=["connect", "dns", "urllib"],
+)
+async def test_network_access_is_disabled(code: str, use_namespaces: bool | None) -> None:
+    result = await run_python(code, **FAST, use_namespaces=use_namespaces)
+    assert result.error == "network"
+    assert result.message == "Error: network access is disabled in the sandbox"
+
+
+async def test_local_socketpair_still_works_for_asyncio() -> None:
+    code = "import asyncio\nasync def main():\n    return 5\nprint(asyncio.run(main()))"
+    result = await run_python(code, **FAST)
+    assert result.ok, result.to_text()
+    assert result.stdout == "5\n"
+
+
+@pytest.mark.parametrize(
+    ("code", "path"),
+    [
+        ("open('/etc/areal-sandbox-test', 'w').write('x')", "/etc/areal-sandbox-test"),
+        ("import os\nos.remove('/tmp/areal-sandbox-nothing')", "/tmp/areal-sandbox-nothing"),
+        ("import os\nos.mkdir('../escape')", None),
+        ("import pathlib\npathlib.Path('/tmp/areal-x').write_text('x')", "/tmp/areal-x"),
+    ],
+    ids=["open", "remove", "mkdir-parent", "pathlib"],
+)
+async def test_writing_outside_the_sandbox_is_refused(code: str, path: str | None) -> None:
+    result = await run_python(code, **FAST)
+    assert result.error == "write"
+    assert result.message.startswith(
+        "Error: writing outside the sandbox directory is not allowed: "
+    )
+    if path is not None:
+        assert result.message.endswith(path)
+        assert not os.path.exists(path)
+
+
+async def test_writes_inside_the_private_directory_work_and_are_removed() -> None:
+    code = (
+        "import os, tempfile\n"
+        "open('notes.txt', 'w').write('hello')\n"
+        "os.mkdir('sub')\n"
+        "with tempfile.NamedTemporaryFile('w', delete=False) as f:\n"
+        "    f.write('x')\n"
+        "print(open('notes.txt').read())\n"
+        "print(os.getcwd())\n"
+        "print(os.path.dirname(f.name) == os.getcwd())\n"
+    )
+    result = await run_python(code, **FAST)
+    assert result.ok, result.to_text()
+    text, cwd, same = result.stdout.split()
+    assert text == "hello" and same == "True"
+    assert not os.path.exists(cwd)  # the directory is gone after the run
+
+
+async def test_output_is_truncated_with_a_marker() -> None:
+    result = await run_python(
+        "print('x' * 100000)\nprint('end')", timeout_s=5.0, max_output_chars=50
+    )
+    assert result.ok and result.truncated
+    assert result.stdout.startswith("x" * 50)
+    assert result.stdout.endswith("[output truncated after 50 characters]")
+    assert len(result.stdout) < 120
+
+
+async def test_exception_and_exit_status_are_reported() -> None:
+    result = await run_python("def f():\n    return 1 / 0\nf()", **FAST)
+    assert result.error == "exception"
+    assert result.message == "Error: ZeroDivisionError: division by zero"
+    assert 'File "<code>", line 2, in f' in result.stderr
+    assert "<string>" not in result.stderr  # the sandbox's own frames are hidden
+    result = await run_python("import sys\nsys.exit(3)", **FAST)
+    assert (result.error, result.exit_code) == ("exit", 3)
+    assert result.message == "Error: the code exited with status 3"
+    result = await run_python("def (", **FAST)
+    assert result.error == "exception" and "SyntaxError" in result.message
+
+
+async def test_parent_environment_does_not_leak(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AREAL_SANDBOX_SECRET", "hunter2")
+    result = await run_python("import os\nprint(os.environ.get('AREAL_SANDBOX_SECRET'))", **FAST)
+    assert result.stdout == "None\n"
+
+
+async def test_concurrent_runs_are_isolated() -> None:
+    code = (
+        "import os, time\n"
+        "open('mine.txt', 'w').write('{i}')\n"
+        "time.sleep(0.2)\n"
+        "print('{i}', open('mine.txt').read(), sorted(os.listdir('.')), os.getcwd())\n"
+    )
+    results = await asyncio.gather(
+        *(run_python(code.replace("{i}", str(i)), **FAST) for i in range(8))
+    )
+    cwds = set()
+    for i, result in enumerate(results):
+        assert result.ok, result.to_text()
+        index, content, *_rest, cwd = result.stdout.split()
+        assert (index, content) == (str(i), str(i))
+        assert "['mine.txt']" in result.stdout
+        cwds.add(cwd)
+    assert len(cwds) == 8
+
+
+def test_sync_wrapper_outside_and_inside_an_event_loop() -> None:
+    assert run_python_sync("print('sync')", **FAST).stdout == "sync\n"
+
+    async def inside() -> str:
+        return run_python_sync("print('nested')", **FAST).stdout
+
+    assert asyncio.run(inside()) == "nested\n"
+
+
+def test_bad_limits_are_caller_errors() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        run_python_sync("pass", timeout_s=0)
+    with pytest.raises(ValueError, match="memory_mb"):
+        run_python_sync("pass", memory_mb=1)
+    with pytest.raises(TypeError, match="code: expected str"):
+        run_python_sync(b"print(1)")  # type: ignore[arg-type]
+
+
+def test_python_tool_returns_output_or_a_clear_failure() -> None:
+    assert isinstance(python_tool, Tool) and python_tool.name == "python"
+    assert python_tool.schema["function"]["parameters"]["required"] == ["code"]
+    ok = python_tool.call({"code": "print(sum(range(10)))"})
+    assert ok.ok and ok.content == "45\n"
+    tool = make_python_tool(timeout_s=0.5, memory_mb=128)
+    slow = tool.call('{"code": "while True: pass"}')
+    assert (slow.error, slow.content) == ("timeout", "Error: timed out after 0.5 s")
+    bad = tool.call({"code": "raise ValueError('nope')"})
+    assert bad.error == "tool_exception"
+    assert bad.content.startswith("Error: ValueError: nope\nTraceback")
+    assert tool.call({}).error == "bad_arguments"
+
+
+@pytest.mark.parametrize("use_namespaces", [None, False])
+async def test_leftover_forks_are_killed_when_the_code_ends(use_namespaces: bool | None) -> None:
+    code = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\nprint('done')"
+    result = await run_python(code, timeout_s=5.0, max_processes=1, use_namespaces=use_namespaces)
+    assert result.ok, result.to_text()
+    assert result.stdout == "done\n"
+    assert result.duration_s < 2.0  # not held up by the sleeping fork
