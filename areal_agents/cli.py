@@ -1,6 +1,7 @@
 """The ``areal-agent`` command line.
 
     areal-agent serve [--model M] [--port P] [--smoke]   the recording proxy + embedded engine
+    areal-agent eval --env ID [--episodes N --k K ...]    evaluate an agent, write a report
     areal-agent envs                                      registered environments
 
 Heavy imports (torch, transformers, envs) happen inside the commands, so ``--help`` is fast.
@@ -15,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from .errors import ArealError
+from .errors import ArealError, ConfigError
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -51,6 +52,31 @@ def _build_parser() -> argparse.ArgumentParser:
         "the recorded trajectory, and exit",
     )
     serve.set_defaults(func=_serve)
+
+    ev = sub.add_parser("eval", help="evaluate an agent on an environment")
+    ev.add_argument("--env", required=True, help="environment id, e.g. areal/Calculator-v0")
+    ev.add_argument("--env-kwargs", default="{}", help="JSON object of env constructor kwargs")
+    ev.add_argument(
+        "--agent",
+        default=None,
+        help="module:factory returning an agent (default: the built-in env-driven "
+        "tool-calling loop)",
+    )
+    ev.add_argument(
+        "--model", default=None, help="HF directory or hub id (default model if omitted)"
+    )
+    ev.add_argument("--episodes", type=int, default=16, help="total episodes (tasks x k)")
+    ev.add_argument("--k", type=int, default=1, help="samples per task, for pass@k and pass^k")
+    ev.add_argument("--concurrency", type=int, default=64)
+    ev.add_argument("--seed", type=int, default=0, help="task t uses seed SEED + t")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--max-tokens", type=int, default=256)
+    ev.add_argument("--max-turns", type=int, default=8)
+    ev.add_argument("--timeout", type=float, default=600.0, help="per-episode time limit (s)")
+    ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ev.add_argument("--device", default=None)
+    ev.add_argument("--out", default=None, help="write episodes.jsonl and report.json here")
+    ev.set_defaults(func=_eval, max_batch_size=64, admin_key=None)
 
     envs = sub.add_parser("envs", help="list the registered environments")
     envs.set_defaults(func=_envs)
@@ -144,6 +170,80 @@ def _smoke(proxy: Any, host: str) -> int:
     )
     asyncio.run(proxy.engine.close())
     return 0 if decoded == text else 1
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from envs.registry import make
+
+    from .evaluate import evaluate, write_outputs
+    from .runner import Runner
+    from .server import ProxyServer
+
+    try:
+        env_kwargs = json.loads(args.env_kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
+    make(args.env, **env_kwargs).close()  # unknown ids and bad kwargs fail before the model loads
+    agent = _load_agent(args.agent) if args.agent else None
+    proxy = _load_proxy(args)
+    sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
+    bar = tqdm(
+        total=args.episodes // args.k * args.k, desc=f"eval {args.env}", unit="ep", file=sys.stderr
+    )
+    done = {"ok": 0}
+
+    def progress(res: Any) -> None:
+        done["ok"] += bool(res.success)
+        bar.update()
+        bar.set_postfix(success=f"{done['ok'] / bar.n:.0%}")
+
+    with ProxyServer.start(proxy) as server:
+        runner = Runner(
+            proxy,
+            base_url=server.base_url,
+            concurrency=args.concurrency,
+            max_turns=args.max_turns,
+            episode_timeout_s=args.timeout,
+            sampling=sampling,
+        )
+
+        async def run() -> Any:
+            try:
+                return await evaluate(
+                    runner,
+                    lambda: make(args.env, **env_kwargs),
+                    env_id=args.env,
+                    episodes=args.episodes,
+                    k=args.k,
+                    seed=args.seed,
+                    agent=agent,
+                    progress=progress,
+                )
+            finally:
+                await proxy.engine.close()
+
+        report, groups = asyncio.run(run())
+    bar.close()
+    print(report.table())
+    if args.out:
+        out = write_outputs(args.out, report, groups)
+        print(f"wrote {out / 'episodes.jsonl'} and {out / 'report.json'}")
+    return 0
+
+
+def _load_agent(spec: str) -> Any:
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"--agent expects module:factory, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load --agent {spec!r}: {exc}") from None
+    return factory()
 
 
 def _envs(args: argparse.Namespace) -> int:

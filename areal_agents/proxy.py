@@ -269,11 +269,26 @@ class Proxy:
     # ------------------------------------------------------------------ chat completions
     async def chat_completions(self, request: Request) -> Response:
         session = self._model_caller(request)
+        req = await _parse(request, ChatCompletionRequest)
+        body = await self.complete(session, req)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_sse(body, include_usage), media_type="text/event-stream")
+        return JSONResponse(body)
+
+    async def complete(
+        self, session: Session | None, request: ChatCompletionRequest | dict[str, Any]
+    ) -> dict[str, Any]:
+        """One chat completion, recorded into ``session`` (None: not recorded).
+
+        The HTTP endpoint and in-process callers (the episode runner) share this path.
+        Raises :class:`ApiError` for anything the caller must fix.
+        """
         if session is not None and session.closed:
             raise ApiError(
                 409, f"session {session.id} has ended; open a new session", kind="conflict_error"
             )
-        req = await _parse(request, ChatCompletionRequest)
+        req = request if isinstance(request, ChatCompletionRequest) else _validate(request)
         messages = [_message_dict(m) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prompt_ids = self._encode(messages, tools if req.tool_choice != "none" else None, req)
@@ -290,7 +305,7 @@ class Proxy:
                 i, cid, result, req, messages, tools, tool_names, prompt_ids, params, started
             )
             choices.append(choice)
-            if session is not None:
+            if session is not None and not session.closed:
                 self.sessions.record(session, completion)
                 self.counters["recorded_completions"] += 1
         usage = {
@@ -298,7 +313,7 @@ class Proxy:
             "completion_tokens": sum(len(r.output_ids) for r in results),
         }
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        body = {
+        return {
             "id": base_id,
             "object": "chat.completion",
             "created": int(started),
@@ -306,10 +321,6 @@ class Proxy:
             "choices": choices,
             "usage": usage,
         }
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(body, include_usage), media_type="text/event-stream")
-        return JSONResponse(body)
 
     def _encode(
         self,
@@ -495,6 +506,10 @@ async def _parse(request: Request, model: type[M], *, allow_empty: bool = False)
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"expected a JSON object, got {type(data).__name__}")
+    return _validate(data, model)
+
+
+def _validate(data: dict[str, Any], model: type[M] = ChatCompletionRequest) -> M:  # type: ignore[assignment]
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -1,0 +1,308 @@
+"""The episode runner: environments and agents behind proxy sessions, many at once.
+
+Each episode gets its own proxy session, so every model call it makes is recorded as a
+token-level completion of that episode. Two ways to drive an episode:
+
+* **env-driven** (no agent given): the runner loops ``env.step`` with the assistant message
+  of each chat completion; the reward of each step lands on the completion that produced
+  that step's action, so per-turn rewards and discounted returns come out right.
+* **agent-driven**: the user's agent runs its own loop against the session's OpenAI-compatible
+  endpoint, with the env's tools bound to the episode; the env scores the conversation and the
+  score becomes the episode's final reward. An agent is either an object with
+  ``async run(task)`` or an (async) callable taking an :class:`AgentTask`.
+
+Groups: ``run_group`` samples N episodes of the same task concurrently under one group id.
+Episodes never run serially: every episode is a task on the event loop, bounded by a
+semaphore. A failing model call, env step, tool or agent ends *that* episode with a typed
+reason (``backend_error``, ``env_error``, ``agent_error``, ``timeout``, ...) recorded on the
+episode and counted by the caller; it never fails the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import EpisodeTimeout, RolloutError, UserError
+from .proxy import ApiError, Proxy
+from .session import Session
+from .trajectory import Episode
+
+EnvFactory = Callable[[], Any]
+_API_REASONS = {"context_length_exceeded": "context_overflow", "backend_error": "backend_error"}
+# Env calls may block (sandboxed tools, user simulators): they run on this pool, sized for
+# I/O-bound steps, so that slow steps of some episodes never hold up the others.
+_ENV_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="areal-env")
+
+
+@dataclass
+class AgentTask:
+    """What an agent-driven episode gives the user's agent."""
+
+    messages: list[dict[str, Any]]
+    """The task as chat messages (from ``env.reset``)."""
+    tools: list[Any]
+    """The episode's tools (``tools.tool.Tool``), bound to this episode's state."""
+    base_url: str
+    api_key: str
+    model: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def openai_client(self, **kwargs: Any) -> Any:
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+
+@dataclass
+class EpisodeResult:
+    """One finished episode: the recorded trajectory plus how it went."""
+
+    episode: Episode
+    reward: float
+    """Sum of the per-turn rewards plus the final reward."""
+    success: bool | None
+    turns: int
+    end_reason: str
+    """"terminated", "truncated", or a rollout error kind."""
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.end_reason in ("terminated", "truncated")
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(c.output_ids) for c in self.episode.completions)
+
+
+class Runner:
+    """Runs episodes through a :class:`Proxy`.
+
+    ``base_url`` (the proxy's HTTP ``/v1`` URL) is needed only for agent-driven episodes, since
+    agents talk HTTP; env-driven episodes call the proxy in-process (the same code path as
+    ``POST /v1/chat/completions``, without a socket).
+    """
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        *,
+        base_url: str | None = None,
+        concurrency: int = 256,
+        max_turns: int = 16,
+        episode_timeout_s: float = 600.0,
+        sampling: dict[str, Any] | None = None,
+        step_in_thread: bool = True,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.proxy = proxy
+        self.base_url = base_url
+        self.max_turns = max_turns
+        self.episode_timeout_s = episode_timeout_s
+        self.sampling = dict(sampling or {})
+        self.step_in_thread = step_in_thread
+        self._slots = asyncio.Semaphore(concurrency)
+
+    # ------------------------------------------------------------------ public
+    async def run_group(
+        self,
+        make_env: EnvFactory,
+        n: int,
+        *,
+        seed: int | None = None,
+        options: dict[str, Any] | None = None,
+        agent: Any = None,
+        group_id: str | None = None,
+    ) -> list[EpisodeResult]:
+        """``n`` episodes of the same task (same seed and options), concurrently."""
+        gid = group_id or "grp-" + uuid.uuid4().hex[:12]
+        return list(
+            await asyncio.gather(
+                *[
+                    self.run_episode(
+                        make_env, seed=seed, options=options, agent=agent, group_id=gid
+                    )
+                    for _ in range(n)
+                ]
+            )
+        )
+
+    async def run_episode(
+        self,
+        make_env: EnvFactory,
+        *,
+        seed: int | None = None,
+        options: dict[str, Any] | None = None,
+        agent: Any = None,
+        group_id: str | None = None,
+    ) -> EpisodeResult:
+        """Run one episode; never raises for failures inside it (see the module docstring)."""
+        async with self._slots:
+            start = time.perf_counter()
+            session = self.proxy.sessions.create(group_id=group_id)
+            state: dict[str, Any] = {"turns": 0, "reward": 0.0, "info": {}, "success": None}
+            try:
+                env = make_env()
+            except Exception as exc:
+                raise UserError(f"cannot create the environment: {exc!r}") from exc
+            try:
+                drive = self._drive_agent if agent is not None else self._drive_env
+                reason = await asyncio.wait_for(
+                    drive(env, session, seed, options, agent, state), self.episode_timeout_s
+                )
+                error = None
+            except TimeoutError:
+                reason, error = EpisodeTimeout.kind, f"ran past {self.episode_timeout_s} s"
+            except RolloutError as exc:
+                reason, error = exc.kind, str(exc)
+            except ApiError as exc:
+                reason = _API_REASONS.get(
+                    exc.code or "", "backend_error" if exc.status >= 500 else "bad_request"
+                )
+                error = exc.message
+            finally:
+                _close(env)
+            if error is not None:
+                session.episode.errors.append({"kind": reason, "message": error})
+            self.proxy.sessions.end(session, reason=reason)
+            self.proxy.sessions.remove(session.id)
+            ep = session.episode
+            reward = sum(c.reward for c in ep.completions) + (ep.final_reward or 0.0)
+            return EpisodeResult(
+                episode=ep,
+                reward=reward,
+                success=state["success"],
+                turns=state["turns"],
+                end_reason=reason,
+                error=error,
+                info={**state["info"], "task": state.get("task", {})},
+                duration_s=time.perf_counter() - start,
+            )
+
+    # ------------------------------------------------------------------ env-driven
+    async def _drive_env(
+        self,
+        env: Any,
+        session: Session,
+        seed: int | None,
+        options: dict[str, Any] | None,
+        agent: Any,
+        state: dict[str, Any],
+    ) -> str:
+        obs, info = await self._call_env("reset", env.reset, seed=seed, options=options)
+        session.episode.task_id = str(info.get("task_id")) if info.get("task_id") else None
+        state["task"] = {k: v for k, v in info.items() if k != "tools"}
+        messages = list(obs)
+        tools = info.get("tools") or None
+        for _ in range(self.max_turns):
+            body: dict[str, Any] = {
+                "model": self.proxy.model_name,
+                "messages": messages,
+                **self.sampling,
+            }
+            if tools:
+                body["tools"] = tools
+            reply = await self.proxy.complete(session, body)
+            message = reply["choices"][0]["message"]
+            completion_id = reply["choices"][0]["completion_id"]
+            obs, reward, terminated, truncated, info = await self._call_env(
+                "step", env.step, message
+            )
+            state["turns"] += 1
+            state["info"] = info
+            if reward:
+                self.proxy.sessions.add_reward(session, float(reward), completion_id=completion_id)
+            messages = [*messages, message, *obs]
+            if "success" in info:
+                state["success"] = bool(info["success"])
+            if terminated:
+                return "terminated"
+            if truncated:
+                return "truncated"
+        return "truncated"
+
+    # ------------------------------------------------------------------ agent-driven
+    async def _drive_agent(
+        self,
+        env: Any,
+        session: Session,
+        seed: int | None,
+        options: dict[str, Any] | None,
+        agent: Any,
+        state: dict[str, Any],
+    ) -> str:
+        if self.base_url is None:
+            raise UserError("agent-driven episodes need Runner(base_url=<proxy /v1 URL>)")
+        obs, info = await self._call_env("reset", env.reset, seed=seed, options=options)
+        session.episode.task_id = str(info.get("task_id")) if info.get("task_id") else None
+        state["task"] = {k: v for k, v in info.items() if k != "tools"}
+        task = AgentTask(
+            messages=list(obs),
+            tools=list(env.tools()),
+            base_url=self.base_url,
+            api_key=session.api_key,
+            model=self.proxy.model_name,
+            info=info,
+        )
+        try:
+            run = getattr(agent, "run", agent)
+            result = run(task)
+            if inspect.isawaitable(result):
+                result = await result
+        except (RolloutError, ApiError):
+            raise
+        except Exception as exc:
+            raise _AgentError(f"the agent raised {exc!r}") from exc
+        ep = session.episode
+        state["turns"] = len(ep.completions)
+        conversation = _conversation(ep, result)
+        reward, score_info = await self._call_env("score", env.score, conversation)
+        state["info"] = score_info
+        state["success"] = score_info.get("success")
+        ep.final_reward = (ep.final_reward or 0.0) + float(reward)
+        return "terminated"
+
+    async def _call_env(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            if self.step_in_thread:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(_ENV_POOL, functools.partial(fn, *args, **kwargs))
+            return fn(*args, **kwargs)
+        except RolloutError:
+            raise
+        except Exception as exc:
+            raise _EnvStepError(f"env.{what} raised {exc!r}") from exc
+
+
+class _EnvStepError(RolloutError):
+    kind = "env_error"
+
+
+class _AgentError(RolloutError):
+    kind = "agent_error"
+
+
+def _conversation(episode: Episode, result: Any) -> list[dict[str, Any]]:
+    """The main branch's conversation: the last completion's request plus its reply."""
+    if not episode.completions:
+        return [{"role": "assistant", "content": str(result) if result is not None else ""}]
+    last = episode.completions[-1]
+    return [*last.messages, last.message]
+
+
+def _close(env: Any) -> None:
+    # Closing is best effort: the episode is already recorded.
+    with contextlib.suppress(Exception):
+        env.close()
