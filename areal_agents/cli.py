@@ -2,6 +2,7 @@
 
     areal-agent serve [--model M] [--port P] [--smoke]   the recording proxy + embedded engine
     areal-agent eval --env ID [--episodes N --k K ...]    evaluate an agent, write a report
+    areal-agent train [--config FILE] [a.b=c ...]         asynchronous RL
     areal-agent envs                                      registered environments
 
 Heavy imports (torch, transformers, envs) happen inside the commands, so ``--help`` is fast.
@@ -77,6 +78,14 @@ def _build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default=None)
     ev.add_argument("--out", default=None, help="write episodes.jsonl and report.json here")
     ev.set_defaults(func=_eval, max_batch_size=64, admin_key=None)
+
+    tr = sub.add_parser("train", help="asynchronous RL on an environment")
+    tr.add_argument("--config", default=None, help="YAML file (optional)")
+    tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
+    tr.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    tr.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.set_defaults(func=_train)
 
     envs = sub.add_parser("envs", help="list the registered environments")
     envs.set_defaults(func=_envs)
@@ -244,6 +253,22 @@ def _load_agent(spec: str) -> Any:
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"cannot load --agent {spec!r}: {exc}") from None
     return factory()
+
+
+def _train(args: argparse.Namespace) -> int:
+    from trainer.config import format_config, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        print(format_config(cfg))
+        return 0
+    from trainer.loop import train
+
+    summary = train(cfg, resume=args.resume, quiet=args.quiet)
+    keys = ("reward_mean", "success_rate", "staleness_mean", "train_tokens_per_s")
+    print(" ".join(f"{k}={summary[k]:.3g}" for k in keys if k in summary))
+    print(f"final model: {summary.get('final_model')}")
+    return 0
 
 
 def _envs(args: argparse.Namespace) -> int:

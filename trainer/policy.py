@@ -1,0 +1,251 @@
+"""The trainable policy: a transformers causal LM (optionally with a peft LoRA adapter).
+
+Choices made here:
+
+* Sequences are packed into micro-batches without padding: several sequences share one row,
+  ``position_ids`` restart at 0 for each, and transformers builds a block-diagonal causal mask
+  from them (``use_cache=False``), so no token attends across sequences and no compute is
+  spent on pad tokens.
+* Micro-batches are filled up to a token budget (``micro_batch_tokens``); gradients
+  accumulate over all micro-batches of a step, and the loss callback receives per-token
+  weights computed over the *whole* batch, so accumulation never changes the objective.
+* Logprobs follow the inference engine's convention exactly: ``log_softmax(logits / T)`` in
+  float32 over the full vocabulary (T = 1 for greedy), computed as
+  ``logits[t] / T - logsumexp(logits / T)`` without materialising the full log-softmax.
+* LoRA through peft; weight sync then ships only the adapter tensors.
+
+Left out: tensor/pipeline parallelism (one device), sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areal_agents.engine import WeightUpdate
+
+
+@dataclass
+class Packed:
+    """One micro-batch: sequences concatenated into a single row."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    spans: list[tuple[int, int, int]]  # (item index, start, end) in the row
+
+
+def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group item indices into micro-batches of at most ``max_tokens`` tokens (first fit,
+    longest first). An item longer than the budget gets a micro-batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return bins
+
+
+def make_packed(seqs: Sequence[Sequence[int]], indices: Sequence[int], device: Any) -> Packed:
+    ids: list[int] = []
+    pos: list[int] = []
+    spans = []
+    for i in indices:
+        start = len(ids)
+        ids.extend(seqs[i])
+        pos.extend(range(len(seqs[i])))
+        spans.append((i, start, len(ids)))
+    return Packed(torch.tensor([ids], device=device), torch.tensor([pos], device=device), spans)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T)[target] in float32 (T = 1 when temperature is 0)."""
+    t = temperature if temperature > 0 else 1.0
+    scaled = logits.float() / t
+    return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, dict]]
+"""(item indices, per-item token logprobs [len-1], per-item entropies) -> (loss, stats)."""
+
+
+class Policy:
+    """The model being trained, its optimizer, and how its weights reach the engine."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+        lora: dict[str, Any] | None = None,
+        activation_checkpointing: bool = False,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float = 1.0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.is_lora = bool(lora)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            self.lora_config = LoraConfig(task_type="CAUSAL_LM", **lora)
+            model = get_peft_model(model, self.lora_config)  # type: ignore[assignment]
+        if activation_checkpointing:
+            model.gradient_checkpointing_enable()
+            if lora:
+                model.enable_input_require_grads()
+        self.model = model.to(self.device)  # type: ignore[arg-type]
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=lr, weight_decay=weight_decay, betas=betas
+        )
+        self.grad_clip = grad_clip
+
+    # ------------------------------------------------------------------ forward passes
+    def _forward(self, packed: Packed) -> torch.Tensor:
+        out = self.model(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+        )
+        return out.logits[0]
+
+    def _per_item(
+        self, logits: torch.Tensor, packed: Packed, temperature: float, entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ids = packed.input_ids[0]
+        logps, ents = [], []
+        for _, s, e in packed.spans:
+            lg = logits[s : e - 1]
+            logps.append(token_logprobs(lg, ids[s + 1 : e], temperature))
+            ents.append(token_entropy(lg.detach(), temperature) if entropy else lg.new_zeros(0))
+        return logps, ents
+
+    @torch.no_grad()
+    def logprobs(
+        self, seqs: Sequence[Sequence[int]], temperature: float, micro_batch_tokens: int = 4096
+    ) -> list[torch.Tensor]:
+        """Per sequence, the logprob of tokens 1..n-1 given their prefix (float32, CPU)."""
+        was_training = self.model.training
+        self.model.eval()
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        for group in pack([len(s) for s in seqs], micro_batch_tokens):
+            packed = make_packed(seqs, group, self.device)
+            logps, _ = self._per_item(self._forward(packed), packed, temperature, False)
+            for (i, _, _), lp in zip(packed.spans, logps, strict=True):
+                out[i] = lp.cpu()
+        self.model.train(was_training)
+        return [x for x in out if x is not None]
+
+    def train_step(
+        self,
+        seqs: Sequence[Sequence[int]],
+        loss_fn: LossFn,
+        temperature: float,
+        micro_batch_tokens: int = 4096,
+    ) -> dict[str, float]:
+        """One optimizer step over all ``seqs`` with gradient accumulation."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        n_micro = 0
+        for group in pack([len(s) for s in seqs], micro_batch_tokens):
+            packed = make_packed(seqs, group, self.device)
+            logps, ents = self._per_item(self._forward(packed), packed, temperature, True)
+            loss, stats = loss_fn([i for i, _, _ in packed.spans], logps, ents)
+            loss.backward()
+            n_micro += 1
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        if math.isfinite(float(norm)):
+            self.optimizer.step()
+        totals["grad_norm"] = float(norm)
+        totals["micro_batches"] = n_micro
+        return totals
+
+    # ------------------------------------------------------------------ weights
+    def weight_update(self, version: int) -> WeightUpdate:
+        """The current weights for the inference engine (adapter only with LoRA)."""
+        if self.is_lora:
+            from peft import get_peft_model_state_dict
+
+            sd = {
+                k: v.detach().cpu().clone()
+                for k, v in get_peft_model_state_dict(self.model).items()
+            }
+            return WeightUpdate(
+                kind="lora", state_dict=sd, lora_config=self.lora_config, version=version
+            )
+        sd = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return WeightUpdate(kind="full", state_dict=sd, version=version)
+
+    def save(self, directory: str | Path) -> None:
+        """Model (or adapter) and optimizer state, for resuming."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(d / "model")
+        torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+
+    def load(self, directory: str | Path) -> None:
+        d = Path(directory)
+        if self.is_lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(
+                self.model, load_file(str(d / "model" / "adapter_model.safetensors"))
+            )
+        else:
+            from areal_agents.weights import read_state_dict
+
+            self.model.load_state_dict(read_state_dict(d / "model"), strict=False)
+        self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=False))
+
+    def export(
+        self, directory: str | Path, tokenizer_dir: str | Path, *, merge_lora: bool = True
+    ) -> Path:
+        """A HF directory that ``areal-agent serve --model`` loads."""
+        import shutil
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        model = self.model
+        if self.is_lora and merge_lora:
+            import copy
+
+            model = copy.deepcopy(self.model).merge_and_unload()
+        model.save_pretrained(d)
+        for f in Path(tokenizer_dir).iterdir():
+            if f.name.startswith(
+                (
+                    "tokenizer",
+                    "chat_template",
+                    "special_tokens",
+                    "generation_config",
+                    "vocab",
+                    "merges",
+                )
+            ):
+                shutil.copy(f, d / f.name)
+        return d
