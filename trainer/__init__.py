@@ -1,0 +1,85 @@
+"""RL training: advantages, the one policy loss, and the algorithms that configure it.
+
+``trainer.advantage`` turns returns into advantages (group baselines over episodes, GAE,
+loss weights, DAPO's helpers), ``trainer.loss`` holds the decoupled PPO objective and
+logprob helpers, ``trainer.algorithms`` names the family (GRPO, Dr.GRPO, LitePPO, RLOO,
+GSPO, DAPO, PPO, REINFORCE++, SAPO, M2PO) as configurations of both::
+
+    from trainer import get_algorithm, completion_returns
+
+    spec = get_algorithm("grpo")
+    rows = completion_returns(episodes, gamma=1.0)
+    adv = spec.advantage.group(rows.returns, rows.group_ids, rows.episode_ids, rows.roots)
+    loss, stats = spec.loss.policy_loss(logp, behav_logp, prox_logp, token_adv, mask)
+
+The names below load lazily, so ``import trainer.config`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .advantage import (
+        CompletionReturns,
+        completion_returns,
+        completion_weights,
+        expand_to_tokens,
+        filter_uniform_groups,
+        gae,
+        group_advantages,
+        overlong_penalty,
+    )
+    from .algorithms import (
+        ALGORITHMS,
+        AdvantageSpec,
+        AlgorithmSpec,
+        LossSpec,
+        OverlongSpec,
+        check_async_correction,
+        get_algorithm,
+    )
+    from .loss import (
+        aggregate,
+        approx_proximal_logp,
+        entropy_from_logits,
+        logprobs_from_logits,
+        m2po_mask,
+        policy_loss,
+        value_loss,
+    )
+
+__all__ = [
+    "ALGORITHMS",
+    "AdvantageSpec",
+    "AlgorithmSpec",
+    "CompletionReturns",
+    "LossSpec",
+    "OverlongSpec",
+    "aggregate",
+    "approx_proximal_logp",
+    "check_async_correction",
+    "completion_returns",
+    "completion_weights",
+    "entropy_from_logits",
+    "expand_to_tokens",
+    "filter_uniform_groups",
+    "gae",
+    "get_algorithm",
+    "group_advantages",
+    "logprobs_from_logits",
+    "m2po_mask",
+    "overlong_penalty",
+    "policy_loss",
+    "value_loss",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        for module in ("advantage", "loss", "algorithms"):
+            mod = importlib.import_module(f".{module}", __name__)
+            if hasattr(mod, name):
+                return getattr(mod, name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")

@@ -1,0 +1,365 @@
+"""Advantages for multi-turn agents: group baselines over episodes, GAE, loss weights, DAPO.
+
+Choices made:
+
+* A group is found by an explicit group id and an episode id on every row, never by row
+  position: rows may come in any order and episodes may have any number of completions.
+* Group statistics are taken over the group's *episodes*, one number each: the episode
+  return R(e), the mean return of its root completions (for a line of turns, the first one).
+  Every completion c of episode e then gets ``A(c) = (G(c) - b(e)) / (s(e) + eps)``. With
+  gamma = 1 and only a final reward every G(c) = R(e), so this is plain GRPO exactly.
+* Standard deviations are Bessel-corrected (n - 1); a group of one episode has std 0.
+* A group (or batch) whose episode returns are all equal gives zero advantages under std
+  scaling: it carries no relative signal, and dividing within-episode spread (later turns
+  of a discounted or per-turn-rewarded episode) by eps alone would explode.
+* Statistics are computed in float64; the result has the dtype of ``returns``.
+* Loss weights (``completion_weights``) are the aggregation itself: per-token weights
+  computed over the whole step's batch so that micro-batch losses ``sum(w * loss)`` add up
+  to the step's loss. By default each episode weighs the same, however many turns it has.
+* GAE runs over the policy's tokens only: masked tokens (tool results, user turns inside a
+  merged sample) are skipped, so the value after a token is the value at the next sampled
+  token. The end of a row is terminal unless a bootstrap value is given (truncation).
+
+Left out: turn-level groups keyed by shared states (GiGPO-style), learned per-turn
+baselines, KL folded into the reward (REINFORCE++'s original form; KL lives in the loss),
+whitening of GAE advantages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from areal_agents.trajectory import Episode
+
+Baseline = Literal["mean", "rloo", "batch", "none"]
+Scale = Literal["std", "batch_std", "batch_centered_std", "none"]
+Weighting = Literal["episode", "completion", "token"]
+Reduce = Literal["mean", "sum", "sum_norm"]
+Ids = Sequence[Hashable] | Tensor
+
+
+def _check_choice(name: str, value: str, kind: object) -> None:
+    choices = get_args(kind)
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _codes(ids: Ids, n: int, name: str, device: torch.device | None = None) -> tuple[Tensor, int]:
+    """Dense integer codes (first-seen order) for ``n`` hashable ids, and how many there are."""
+    keys = ids.reshape(-1).tolist() if isinstance(ids, Tensor) else list(ids)
+    if len(keys) != n:
+        raise ValueError(f"{name}: expected {n} ids (one per row), got {len(keys)}")
+    index: dict[Hashable, int] = {}
+    codes = [index.setdefault(k, len(index)) for k in keys]
+    return torch.tensor(codes, dtype=torch.long, device=device), len(index)
+
+
+def _segment_mean(x: Tensor, seg: Tensor, n: int) -> Tensor:
+    """Mean of ``x`` per segment, exact when a segment's values are all equal.
+
+    Shifting by the segment minimum first makes ``mean([v, v, v]) == v`` bit for bit, which
+    the zero-spread rule relies on.
+    """
+    lo = x.new_full((n,), float("inf")).scatter_reduce(0, seg, x, "amin")
+    cnt = x.new_zeros(n).index_add_(0, seg, torch.ones_like(x))
+    tot = x.new_zeros(n).index_add_(0, seg, x - lo[seg])
+    return lo + tot / cnt
+
+
+def _segment_std(x: Tensor, seg: Tensor, n: int) -> Tensor:
+    """Bessel-corrected std of ``x`` per segment (0 for a segment of one value)."""
+    mean = _segment_mean(x, seg, n)
+    cnt = x.new_zeros(n).index_add_(0, seg, torch.ones_like(x))
+    sq = x.new_zeros(n).index_add_(0, seg, (x - mean[seg]) ** 2)
+    return torch.sqrt(sq / (cnt - 1).clamp(min=1))
+
+
+def _episode_table(
+    returns: Tensor, group_ids: Ids, episode_ids: Ids, roots: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Episode code of each row, group code of each episode, and the checked root mask."""
+    n, dev = returns.numel(), returns.device
+    g_row, _ = _codes(group_ids, n, "group_ids", dev)
+    e_row, n_eps = _codes(episode_ids, n, "episode_ids", dev)
+    ep_group = torch.zeros(n_eps, dtype=torch.long, device=dev).scatter_(0, e_row, g_row)
+    if not torch.equal(ep_group[e_row], g_row):
+        bad = episode_ids[int(torch.nonzero(ep_group[e_row] != g_row)[0])]
+        raise ValueError(f"episode_ids: episode {bad!r} appears in two groups; give it one group")
+    if roots is None:
+        if n_eps != n:
+            raise ValueError("roots: an episode has several rows; pass roots= (root completions)")
+        roots = torch.ones(n, dtype=torch.bool, device=dev)
+    if roots.shape != returns.shape:
+        raise ValueError(f"roots: expected shape {tuple(returns.shape)}, got {tuple(roots.shape)}")
+    roots = roots.to(dev).bool()
+    if torch.unique(e_row[roots]).numel() != n_eps:
+        raise ValueError("roots: every episode needs at least one root row")
+    return e_row, ep_group, roots
+
+
+def _leave_one_out_mean(x: Tensor, seg: Tensor, n: int) -> Tensor:
+    """Mean of the other members of each value's segment (the value itself when alone).
+
+    Shifted by the segment minimum, so a segment of equal values gives exactly that value.
+    """
+    lo = x.new_full((n,), float("inf")).scatter_reduce(0, seg, x, "amin")[seg]
+    cnt = x.new_zeros(n).index_add_(0, seg, torch.ones_like(x))[seg]
+    tot = x.new_zeros(n).index_add_(0, seg, x - lo)[seg]
+    return torch.where(cnt > 1, lo + (tot - (x - lo)) / (cnt - 1).clamp(min=1), x)
+
+
+def group_advantages(
+    returns: Tensor,
+    group_ids: Ids,
+    episode_ids: Ids,
+    *,
+    roots: Tensor | None = None,
+    baseline: Baseline = "mean",
+    scale: Scale = "std",
+    eps: float = 1e-6,
+) -> Tensor:
+    """Advantage of every completion, normalized over its group's episodes.
+
+    Rows are completions: ``returns[i]`` is the discounted return G(c) of row i (see
+    ``Episode.returns``), ``group_ids[i]`` and ``episode_ids[i]`` name its group and episode,
+    ``roots[i]`` says whether it is a root completion of its episode (may be omitted when
+    every episode has exactly one row). With E(g) the episodes of group g and B the batch::
+
+        R(e)  = mean(G(c) for root rows c of e)                     episode return
+        A(c)  = (G(c) - b(e)) / (s(e) + eps)                        c in episode e of group g
+
+        baseline  mean   b(e) = mean(R(e') for e' in E(g))          GRPO
+                  rloo   b(e) = mean(R(e') for e' in E(g), e' != e) RLOO (own R(e) if alone)
+                  batch  b(e) = mean(R(e') for e' in B)             REINFORCE++
+                  none   b(e) = 0
+        scale     std                 s(e) = std(R(e') for e' in E(g))
+                  batch_std           s(e) = std(R(e') for e' in B)             LitePPO
+                  batch_centered_std  s(e) = std(R(e') - b(e') for e' in B)     REINFORCE++-b
+                  none                A(c) = G(c) - b(e)  (no division: Dr.GRPO, RLOO)
+
+    Under a std scale, rows whose s(e) is exactly 0 (all episodes of the group, or batch,
+    have the same return) get advantage 0.
+
+    >>> group_advantages(torch.tensor([1.0, 0.0, 0.0]), ["g"] * 3, [0, 1, 2], eps=0.0)
+    tensor([ 1.1547, -0.5774, -0.5774])
+    """
+    _check_choice("baseline", baseline, Baseline)
+    _check_choice("scale", scale, Scale)
+    if returns.dim() != 1:
+        raise ValueError(f"returns: expected a 1-D tensor (one per row), got {returns.dim()}-D")
+    e_row, ep_group, roots = _episode_table(returns, group_ids, episode_ids, roots)
+    n_eps, n_groups = ep_group.numel(), int(ep_group.max()) + 1 if ep_group.numel() else 0
+    g = returns.detach().to(torch.float64)
+    big_r = _segment_mean(g[roots], e_row[roots], n_eps)  # R(e)
+    all_eps = torch.zeros(n_eps, dtype=torch.long, device=g.device)
+
+    if baseline == "mean":
+        b = _segment_mean(big_r, ep_group, n_groups)[ep_group]
+    elif baseline == "rloo":
+        b = _leave_one_out_mean(big_r, ep_group, n_groups)
+    elif baseline == "batch":
+        b = _segment_mean(big_r, all_eps, 1)[all_eps]
+    else:
+        b = torch.zeros_like(big_r)
+
+    adv = g - b[e_row]
+    if scale == "none":
+        return adv.to(returns.dtype)
+    if scale == "std":
+        s = _segment_std(big_r, ep_group, n_groups)[ep_group]
+    elif scale == "batch_std":
+        s = _segment_std(big_r, all_eps, 1)[all_eps]
+    else:
+        s = _segment_std(big_r - b, all_eps, 1)[all_eps]
+    s_row = s[e_row]
+    adv = torch.where(s_row > 0, adv / (s_row + eps), torch.zeros_like(adv))
+    return adv.to(returns.dtype)
+
+
+@dataclass(frozen=True)
+class CompletionReturns:
+    """One row per completion of a batch of episodes: the inputs of ``group_advantages``."""
+
+    returns: Tensor
+    """G(c), float32, one per row."""
+    group_ids: list[str]
+    episode_ids: list[str]
+    completion_ids: list[str]
+    roots: Tensor
+    """True where the completion has no parent."""
+
+
+def completion_returns(episodes: Sequence[Episode], gamma: float = 1.0) -> CompletionReturns:
+    """Flatten episodes into completion rows with their discounted returns (``Episode.returns``)."""
+    rets: list[float] = []
+    groups: list[str] = []
+    eps: list[str] = []
+    cids: list[str] = []
+    roots: list[bool] = []
+    for ep in episodes:
+        if ep.group_id is None:
+            raise ValueError(f"episode {ep.session_id!r} has no group_id; set it when sampling")
+        by_id = ep.returns(gamma)
+        for c in ep.completions:
+            rets.append(by_id[c.id])
+            groups.append(ep.group_id)
+            eps.append(ep.session_id)
+            cids.append(c.id)
+            roots.append(c.parent_id is None)
+    return CompletionReturns(
+        torch.tensor(rets, dtype=torch.float32), groups, eps, cids, torch.tensor(roots)
+    )
+
+
+def expand_to_tokens(values: Tensor, token_completion: Tensor) -> Tensor:
+    """Per-token values from per-completion ones: ``out[b, t] = values[b, token_completion[b, t]]``.
+
+    ``values`` is ``[B, K]`` (the completions of each training sample, padded), and
+    ``token_completion`` is ``[B, T]`` with -1 on unsampled tokens, which get 0.
+    """
+    valid = token_completion >= 0
+    out = values.gather(1, token_completion.clamp(min=0).long())
+    return torch.where(valid, out, torch.zeros_like(out))
+
+
+def completion_weights(
+    token_completion: Tensor,
+    episode_ids: Ids,
+    *,
+    weighting: Weighting = "episode",
+    reduce: Reduce = "mean",
+    max_tokens: int | None = None,
+) -> Tensor:
+    """Per-token loss weights over a whole step's batch: the loss is ``sum(w * token_loss)``.
+
+    ``token_completion`` is ``[B, T]`` (index of each sampled token's completion within its
+    sample, -1 elsewhere), ``episode_ids`` names the episode of each of the B samples. Units
+    u are episodes, completions (a sample row and index), or tokens; U is their number in
+    the batch and n(u) the number of sampled tokens of unit u. Token t of unit u weighs::
+
+        reduce  mean      w = 1 / (U * n(u))          every unit sums to 1 / U
+                sum       w = 1 / U                   long units weigh more
+                sum_norm  w = 1 / (U * max_tokens)    Dr.GRPO's constant normalizer
+
+    So with the default, an episode of five turns weighs exactly as much as one of one turn.
+    Because the weights are normalized over the whole batch, the losses of its micro-batches
+    add up to the batch's loss. ``weighting="token"`` is the token mean (DAPO's token-level
+    loss); ``"completion"`` with ``"mean"`` is GRPO's per-response mean.
+    """
+    _check_choice("weighting", weighting, Weighting)
+    _check_choice("reduce", reduce, Reduce)
+    if reduce == "sum_norm" and (max_tokens is None or max_tokens < 1):
+        raise ValueError(f"max_tokens: reduce='sum_norm' needs max_tokens >= 1, got {max_tokens}")
+    if token_completion.dim() != 2:
+        raise ValueError(f"token_completion: expected [B, T], got {tuple(token_completion.shape)}")
+    rows, width = token_completion.shape
+    valid = token_completion >= 0
+    dev = token_completion.device
+    e_row, _ = _codes(episode_ids, rows, "episode_ids", dev)
+    row_of = torch.arange(rows, device=dev).unsqueeze(1).expand(rows, width)
+    if weighting == "token":
+        unit = torch.arange(int(valid.sum()), device=dev)
+    elif weighting == "completion":
+        k = int(token_completion.max().clamp(min=0)) + 1
+        unit = torch.unique((row_of * k + token_completion)[valid], return_inverse=True)[1]
+    else:
+        unit = torch.unique(e_row[row_of][valid], return_inverse=True)[1]
+    n_units = int(unit.max()) + 1 if unit.numel() else 0
+    size = torch.bincount(unit, minlength=n_units).to(torch.float64)
+    if reduce == "mean":
+        w_valid = 1.0 / (n_units * size[unit])
+    elif reduce == "sum":
+        w_valid = torch.full_like(size[unit], 1.0 / max(n_units, 1))
+    else:
+        w_valid = torch.full_like(size[unit], 1.0 / (max(n_units, 1) * float(max_tokens or 1)))
+    out = torch.zeros(rows, width, dtype=torch.float32, device=dev)
+    out[valid] = w_valid.float()
+    return out
+
+
+def filter_uniform_groups(rewards: Tensor, group_ids: Ids, *, atol: float = 0.0) -> Tensor:
+    """DAPO dynamic sampling: keep-mask dropping the rows of groups whose rewards are all equal.
+
+    ``rewards`` has one value per row (one row per episode, or the episode's reward repeated
+    on each of its rows). A group is kept when ``max - min > atol`` over its rows: a group
+    where every episode succeeded (or every one failed) has zero GRPO advantage and only
+    dilutes the batch.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected a 1-D tensor (one per row), got {rewards.dim()}-D")
+    g_row, n_groups = _codes(group_ids, rewards.numel(), "group_ids", rewards.device)
+    r = rewards.detach().to(torch.float64)
+    hi = r.new_full((n_groups,), float("-inf"))
+    lo = r.new_full((n_groups,), float("inf"))
+    hi = hi.scatter_reduce(0, g_row, r, "amax")
+    lo = lo.scatter_reduce(0, g_row, r, "amin")
+    return (hi - lo > atol)[g_row]
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
+    """DAPO's soft overlong punishment, added to the reward of a completion of ``lengths`` tokens::
+
+        R_len(y) = 0                                   |y| <= max_len - cache_len
+                 = ((max_len - cache_len) - |y|) / cache_len   max_len - cache_len < |y| <= max_len
+                 = -1                                  |y| > max_len
+
+    >>> overlong_penalty(torch.tensor([6, 8, 10, 11]), max_len=10, cache_len=4)
+    tensor([ 0.0000, -0.5000, -1.0000, -1.0000])
+    """
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"cache_len: expected 0 < cache_len <= max_len={max_len}, got {cache_len}")
+    n = lengths.to(torch.float32)
+    soft = (max_len - cache_len) - n
+    out = torch.clamp(soft / cache_len, max=0.0)
+    return torch.where(n > max_len, torch.full_like(out, -1.0), out)
+
+
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    *,
+    bootstrap: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Token-level generalized advantage estimation (Schulman et al., 2016) for PPO critics.
+
+    ``rewards``, ``values`` and ``mask`` are ``[B, T]``; only tokens where ``mask`` is set
+    take part. For the sampled tokens t_1 < t_2 < ... of a row, with V(t_{k+1}) the value at
+    the next sampled token (``bootstrap[b]`` after the last one, 0 when not given, i.e. the
+    episode terminated)::
+
+        delta_k = r(t_k) + gamma * V(t_{k+1}) - V(t_k)
+        A(t_k)  = delta_k + gamma * lam * A(t_{k+1})
+        returns = A + V
+
+    Returns ``(advantages, returns)``, both 0 where ``mask`` is 0. Pass the value after the
+    last token as ``bootstrap`` for truncated rows. No grad flows into ``values``.
+    """
+    if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
+        raise ValueError(
+            f"rewards, values, mask: expected equal [B, T] shapes, got {tuple(rewards.shape)}, "
+            f"{tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    v = values.detach().float()
+    r = rewards.float()
+    m = mask.bool()
+    rows, width = r.shape
+    next_v = r.new_zeros(rows) if bootstrap is None else bootstrap.detach().to(r).clone()
+    next_a = r.new_zeros(rows)
+    adv = r.new_zeros(rows, width)
+    for t in range(width - 1, -1, -1):
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        a = delta + gamma * lam * next_a
+        mt = m[:, t]
+        adv[:, t] = torch.where(mt, a, torch.zeros_like(a))
+        next_a = torch.where(mt, a, next_a)
+        next_v = torch.where(mt, v[:, t], next_v)
+    return adv, torch.where(m, adv + v, torch.zeros_like(adv))

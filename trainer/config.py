@@ -1,0 +1,595 @@
+"""Training configuration: small frozen dataclasses, one per component, and one loader.
+
+``TrainConfig`` composes ``env``, ``model`` (with ``lora``), ``algorithm``, ``sampling``,
+``rollout``, ``optim``, ``loss``, ``train``, ``sft``, ``metrics`` and ``scheduler``. Only
+``env.id`` has no default (``model.path: null`` is the default model, ``algorithm: grpo``)::
+
+    cfg = load_config("run.yaml", ["rollout.group_size=16", "optim.betas=[0.9, 0.95]"])
+
+``load_config`` checks every key, type and value and raises one ``ConfigError`` listing
+every problem with its key and fix. It has no side effects. ``dump_yaml`` writes the
+resolved config beside a run's outputs; loading that file gives an equal object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from areal_agents.errors import ConfigError
+
+# fmt: off
+ALGORITHMS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "gspo", "dapo", "ppo", "reinforce_pp",
+              "reinforce_pp_baseline", "sapo", "m2po")
+# fmt: on
+"""The values of ``TrainConfig.algorithm`` (``trainer.algorithms`` defines each)."""
+
+GROUP_ALGORITHMS = frozenset(ALGORITHMS) - {"ppo", "reinforce_pp"}
+"""Algorithms whose advantages are normalized within a group: they need group_size >= 2."""
+
+
+class _Checked:
+    """Mixin: a section checks its values when built (all problems at once)."""
+
+    def __post_init__(self) -> None:
+        if problems := self._problems():
+            raise ConfigError(f"invalid {type(self).__name__}", problems=problems)
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        """``(field, holds, rule)`` for each value check of this section."""
+        return ()
+
+    def _problems(self) -> list[str]:
+        """This section's value problems, each as ``"field: what is wrong"``."""
+        return [
+            f"{n}: must be {r}, got {getattr(self, n)!r}" for n, ok, r in self._rules() if not ok
+        ]
+
+
+@dataclass(frozen=True)
+class EnvConfig(_Checked):
+    """Which environment to train on."""
+
+    id: str
+    """Registered environment id, e.g. ``areal/Math-v0`` (see ``areal-agent envs``)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for ``make(id, **kwargs)``."""
+    split: str = "train"
+    """Task split to train on, passed to the environment as ``split``."""
+    seed: int | None = None
+    """Seed of task sampling; None = ``train.seed``."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        return [("id", self.id != "", "a registered id, e.g. areal/Math-v0")]
+
+
+@dataclass(frozen=True)
+class LoraConfig(_Checked):
+    """Low-rank adapters (through peft); only the adapter is trained and synced."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of every weight."""
+    r: int = 16
+    """Adapter rank."""
+    alpha: float = 32.0
+    """Adapter scaling numerator (scale = alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input, in [0, 1)."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Names (suffixes) of the linear modules that get adapters."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        return (
+            ("r", self.r >= 1, ">= 1"),
+            ("alpha", self.alpha > 0, "> 0"),
+            ("dropout", 0 <= self.dropout < 1, "in [0, 1)"),
+            ("target_modules", bool(self.target_modules) or not self.enabled, "non-empty"),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Checked):
+    """The policy model: served for rollouts and trained."""
+
+    path: str | None = None
+    """Local directory or hub id; None = the offline default model."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight dtype; auto = bfloat16."""
+    device: str | None = None
+    """``cpu``, ``cuda`` or ``cuda:N``; None = cuda when available, else cpu."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters; off by default (full fine-tuning)."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    max_context: int | None = None
+    """Longest prompt + output in tokens; None = the model's own limit."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        device_ok = bool(re.fullmatch(r"(cpu|cuda|mps|xpu)(:\d+)?", self.device or "cpu"))
+        return (
+            ("device", device_ok, "'cpu', 'cuda', 'cuda:N' (or null = auto)"),
+            ("max_context", self.max_context is None or self.max_context >= 1, ">= 1 or null"),
+        )
+
+
+@dataclass(frozen=True)
+class SamplingConfig(_Checked):
+    """How the policy samples during rollouts."""
+
+    temperature: float = 1.0
+    """Softmax temperature, > 0 (greedy decoding gives a group no variance to learn from)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    max_new_tokens: int = 512
+    """Most tokens generated by one model call (one turn)."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        return (
+            ("temperature", self.temperature > 0, "> 0 for training"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 disables)"),
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+        )
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_Checked):
+    """How episodes are collected and how stale they may be."""
+
+    group_size: int = 8
+    """Episodes sampled per task; group advantages are normalized over them."""
+    batch_size: int = 8
+    """Groups (tasks) per training step: a step trains on batch_size * group_size episodes."""
+    max_head_offpolicyness: int = 2
+    """Staleness bound eta in policy versions; 0 = synchronous, > 0 = asynchronous."""
+    concurrency: int = 32
+    """Most episodes in flight at once."""
+    max_turns: int = 16
+    """Most model calls in one episode before it is truncated."""
+    episode_timeout_s: float | None = 600.0
+    """Wall-clock limit of one episode; None = no limit."""
+    gamma: float = 1.0
+    """Discount of later rewards along the completion tree, in [0, 1]."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        timeout, counts = self.episode_timeout_s, ("group_size", "batch_size", "concurrency")
+        return (
+            *((n, getattr(self, n) >= 1, ">= 1") for n in (*counts, "max_turns")),
+            ("max_head_offpolicyness", self.max_head_offpolicyness >= 0, ">= 0 (0 = sync)"),
+            ("episode_timeout_s", timeout is None or timeout > 0, "> 0 or null (no limit)"),
+            ("gamma", 0 <= self.gamma <= 1, "in [0, 1]"),
+        )
+
+
+@dataclass(frozen=True)
+class OptimConfig(_Checked):
+    """The optimizer (AdamW) and its learning-rate schedule."""
+
+    lr: float = 1e-6
+    """Peak learning rate, > 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, >= 0."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam moment decay rates, each in [0, 1)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this; None = no clipping."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to lr."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate after warmup: constant, or decayed to 0 at total_steps."""
+    total_steps: int | None = None
+    """Length of the schedule in steps; None = train.steps."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        clip, total = self.grad_clip, self.total_steps
+        return (
+            ("lr", self.lr > 0, "> 0"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("betas", all(0 <= b < 1 for b in self.betas), "each in [0, 1)"),
+            ("grad_clip", clip is None or clip > 0, "> 0 or null (no clipping)"),
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("total_steps", total is None or total >= 1, ">= 1 or null (= train.steps)"),
+        )
+
+
+@dataclass(frozen=True)
+class LossConfig(_Checked):
+    """The decoupled PPO-style objective. None = the value that ``algorithm`` sets."""
+
+    clip_low: float | None = None
+    """eps_low: the ratio current / proximal policy is clipped below at 1 - eps_low."""
+    clip_high: float | None = None
+    """eps_high: the ratio is clipped above at 1 + eps_high (DAPO's clip-higher: 0.28)."""
+    behaviour_correction: Literal["clip", "mask", "none"] | None = None
+    """Weight proximal / behaviour: clip at behaviour_cap, mask tokens above it, or none."""
+    behaviour_cap: float | None = None
+    """Cap of the behaviour importance weight, >= 1."""
+    proximal: Literal["recompute", "loglinear"] = "recompute"
+    """Proximal logprobs: an extra forward pass, or interpolated from the versions."""
+    kl_coef: float | None = None
+    """Weight of the KL penalty to the reference (initial) model; 0 = none."""
+    agg: Literal["mean", "sum", "sum_norm"] | None = None
+    """Token losses within a unit: mean, sum, or sum / max_new_tokens (Dr.GRPO)."""
+    weighting: Literal["episode", "token", "completion"] | None = None
+    """What weighs equally: each episode (however many turns), each completion, each token."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        low, high, cap, kl = self.clip_low, self.clip_high, self.behaviour_cap, self.kl_coef
+        return (
+            ("clip_low", low is None or low > 0, "> 0 or null"),
+            ("clip_high", high is None or high > 0, "> 0 or null"),
+            ("behaviour_cap", cap is None or cap >= 1, ">= 1 (on-policy tokens weigh 1) or null"),
+            ("kl_coef", kl is None or kl >= 0, ">= 0 or null"),
+        )
+
+
+@dataclass(frozen=True)
+class RunConfig(_Checked):
+    """The training loop: length, batching, seeds, outputs and checkpoints."""
+
+    micro_batch_tokens: int = 16384
+    """Token budget of one packed micro-batch; a step accumulates gradients over several."""
+    steps: int = 200
+    """Training steps (policy versions) to run."""
+    seed: int = 0
+    """Seed of everything random in the run."""
+    output_dir: str = "runs/default"
+    """Where checkpoints, metrics and the resolved config are written."""
+    save_every: int = 50
+    """Checkpoint every this many steps (and at the end); 0 = only at the end."""
+    eval_every: int = 0
+    """Evaluate every this many steps; 0 = never."""
+    resume: bool = False
+    """Continue from the latest checkpoint in output_dir."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        return (
+            ("micro_batch_tokens", self.micro_batch_tokens >= 1, ">= 1"),
+            ("steps", self.steps >= 1, ">= 1"),
+            ("save_every", self.save_every >= 0, ">= 0 (0 = only at the end)"),
+            ("eval_every", self.eval_every >= 0, ">= 0 (0 = never)"),
+            ("output_dir", bool(self.output_dir), "a directory"),
+        )
+
+
+@dataclass(frozen=True)
+class SFTConfig(_Checked):
+    """Optional supervised warm start on demonstrations before RL."""
+
+    enabled: bool = False
+    """Run the warm start first."""
+    demos: str | None = None
+    """Path of the demonstrations (JSONL); required when enabled."""
+    epochs: int = 1
+    """Passes over the demonstrations."""
+    lr: float = 1e-5
+    """Learning rate of the warm start, > 0."""
+    kind: Literal["messages", "episodes"] = "messages"
+    """Demo format: OpenAI chat messages (rendered by the template) or recorded episodes."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        return (
+            ("demos", bool(self.demos) or not self.enabled, "a JSONL path when sft is enabled"),
+            ("epochs", self.epochs >= 1, ">= 1"),
+            ("lr", self.lr > 0, "> 0"),
+        )
+
+
+@dataclass(frozen=True)
+class MetricsConfig(_Checked):
+    """Where training metrics go (always under train.output_dir)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    jsonl: bool = True
+    """Write one JSON line of metrics per step."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb package)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Checked):
+    """A whole training run. Only ``env.id`` has no default."""
+
+    env: EnvConfig
+    """The environment to train on."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    algorithm: str = "grpo"
+    """One of ALGORITHMS: how advantages and the loss are configured."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling during rollouts."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Episode collection and staleness."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss."""
+    train: RunConfig = field(default_factory=RunConfig)
+    """The training loop and its outputs."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Optional supervised warm start."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metric sinks."""
+    scheduler: Literal["local", "ray"] = "local"
+    """Run every component in this process (local) or spread them over Ray."""
+
+    def _problems(self) -> list[str]:
+        """Checks that span sections (each section checks itself), with full keys."""
+        out, group = [], self.rollout.group_size
+        if self.algorithm not in ALGORITHMS:
+            out.append(_choice_problem("algorithm", self.algorithm, ALGORITHMS))
+        elif self.algorithm in GROUP_ALGORITHMS and group < 2:
+            out.append(
+                f"rollout.group_size: {self.algorithm} normalizes advantages within a group, "
+                f"so it needs group_size >= 2, got {group}"
+            )
+        eta = self.rollout.max_head_offpolicyness
+        if eta > 0 and self.loss.behaviour_correction == "none":
+            out.append(
+                f"loss.behaviour_correction: 'none' is refused when training asynchronously "
+                f"(rollout.max_head_offpolicyness={eta}): stale tokens need an off-policy "
+                f"correction; set loss.behaviour_correction=clip (or mask), or "
+                f"rollout.max_head_offpolicyness=0 for synchronous training"
+            )
+        total = self.optim.total_steps or self.train.steps
+        if self.optim.warmup_steps > total:
+            out.append(
+                f"optim.warmup_steps: must be <= the schedule's {total} steps, "
+                f"got {self.optim.warmup_steps}"
+            )
+        ctx, new = self.model.max_context, self.sampling.max_new_tokens
+        if ctx is not None and new > ctx:
+            out.append(f"sampling.max_new_tokens: {new} exceeds model.max_context={ctx}")
+        if ctx is not None and self.train.micro_batch_tokens < ctx:
+            out.append(
+                f"train.micro_batch_tokens: must be >= model.max_context={ctx} (one "
+                f"full-length sequence fits a micro-batch), got {self.train.micro_batch_tokens}"
+            )
+        return out
+
+
+class _Loader(yaml.SafeLoader):
+    """A SafeLoader that reads ``1e-6`` as a float (as YAML 1.2 does), refuses duplicate keys."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(key_node, deep=deep) for key_node, _ in node.value]
+        if dup := [key for i, key in enumerate(keys) if key in keys[:i]]:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {dup[0]!r}", node.start_mark
+            )
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Dumper(yaml.SafeDumper):
+    """A SafeDumper that quotes the strings ``_Loader`` would read as floats (``'1e-6'``)."""
+
+
+_EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+for _yaml in (_Loader, _Dumper):
+    _yaml.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT, list("-+0123456789."))
+
+_INVALID: Any = object()  # a value that failed its type check (its problem is recorded)
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML file (None: the defaults), apply ``a.b=c`` overrides, check everything.
+
+    Raises one ``ConfigError`` listing every problem: unknown keys (with the nearest valid
+    key), wrong types, values out of range and inconsistent combinations.
+    """
+    problems: list[str] = []
+    data = {} if path is None else _read_file(Path(path), problems)
+    for item in overrides:
+        _apply_override(data, item, problems)
+    if problems:  # the file or an override cannot be read: report those first
+        raise ConfigError("cannot read the training config", problems=problems)
+    cfg: TrainConfig = _build(TrainConfig, data, "", problems)
+    problems.extend(_value_problems(cfg, ""))
+    if problems:
+        raise ConfigError("invalid training config", problems=problems)
+    return cfg
+
+
+def _read_file(path: Path, problems: list[str]) -> dict[str, Any]:
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except (OSError, yaml.YAMLError) as exc:
+        problems.append(f"cannot read config file '{path}': {exc}")
+        return {}
+    if not isinstance(data, dict | None):
+        problems.append(f"config file '{path}': expected a mapping of keys, got {data!r}")
+    return data if isinstance(data, dict) else {}
+
+
+def _apply_override(data: dict[str, Any], item: str, problems: list[str]) -> None:
+    """Set ``a.b.c=value`` in the raw nested dict ``data``, creating sections as needed."""
+    key, sep, text = item.partition("=")
+    keys = key.strip().split(".")
+    if not sep or not all(keys):
+        problems.append(f"override {item!r}: expected key=value, e.g. rollout.group_size=8")
+        return
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        problems.append(f"override {item!r}: cannot parse {text!r} as YAML; quote it")
+        return
+    for part in keys[:-1]:
+        if not isinstance(data.get(part), dict):
+            data[part] = {}
+        data = data[part]
+    data[keys[-1]] = value
+
+
+def _build(cls: type[Any], data: Any, prefix: str, problems: list[str]) -> Any:
+    """Build dataclass ``cls`` from raw ``data``, recording unknown keys and type problems.
+
+    Value checks are left to ``_value_problems`` (run once over the whole tree, so that every
+    problem is reported at once); a field with a wrong type keeps its default meanwhile.
+    """
+    if not isinstance(data, Mapping):
+        if data is not None:
+            problems.append(f"{prefix.rstrip('.')}: expected a mapping of keys, got {data!r}")
+        data = {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    problems.extend(
+        _unknown_key_problem(prefix + str(k), list(fields), prefix) for k in data if k not in fields
+    )
+    hints, values = typing.get_type_hints(cls), {}
+    for name, f in fields.items():
+        where, tp = prefix + name, hints[name]
+        value = _coerce(tp, data[name], where, problems) if name in data else _INVALID
+        if value is _INVALID and f.default is not dataclasses.MISSING:
+            value = f.default
+        elif value is _INVALID and f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        elif value is _INVALID:  # required: a section is built from {}, else it is a problem
+            value = _build(tp, {}, where + ".", problems) if _is_section(tp) else None
+            if value is None and name not in data:
+                problems.append(f"{where}: required, but missing")
+        values[name] = value
+    obj = object.__new__(cls)  # a frozen instance, built without __post_init__'s checks
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
+    return obj
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
+    """``value`` checked against annotation ``tp`` and converted, or ``_INVALID``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _is_section(tp):
+        return _build(tp, value, where + ".", problems)
+    if origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+        problems.append(_choice_problem(where, value, args))
+        return _INVALID
+    if origin in (types.UnionType, typing.Union) and type(None) in args:  # X | None
+        inner = next(a for a in args if a is not type(None))
+        return None if value is None else _coerce(inner, value, where, problems)
+    if origin is dict:
+        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            return dict(value)
+        want = "a mapping with string keys"
+    elif origin is tuple:
+        variadic, seq = args[1:] == (Ellipsis,), value if isinstance(value, list | tuple) else None
+        kinds = [args[0]] * len(seq) if variadic and seq is not None else list(args)
+        items = [_scalar(kind, v) for kind, v in zip(kinds, seq or (), strict=False)]
+        if seq is not None and len(seq) == len(kinds) and _INVALID not in items:
+            return tuple(items)
+        want = f"a list of {args[0].__name__}" + ("" if variadic else f" (length {len(args)})")
+    else:
+        converted = _scalar(tp, value)
+        if converted is not _INVALID:
+            return converted
+        want = tp.__name__
+    problems.append(f"{where}: expected {want}, got {value!r}")
+    return _INVALID
+
+
+def _scalar(tp: Any, value: Any) -> Any:
+    """``value`` as a bool, int, float or str, or ``_INVALID``. Bools are never numbers."""
+    if tp is bool or isinstance(value, bool):
+        return value if tp is bool and isinstance(value, bool) else _INVALID
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)  # 1e4 written for 10000
+    if tp is float and isinstance(value, int):
+        return float(value)
+    return value if tp in (int, float, str) and isinstance(value, tp) else _INVALID
+
+
+def _choice_problem(where: str, value: Any, options: Sequence[Any]) -> str:
+    close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{where}: expected one of {', '.join(map(repr, options))}, got {value!r}{hint}"
+
+
+def _unknown_key_problem(key: str, siblings: list[str], prefix: str) -> str:
+    """``unknown key 'a.b'`` with the nearest valid key: a sibling, else a key elsewhere."""
+    leaf = key.rsplit(".", 1)[-1]
+    near = [prefix + c for c in difflib.get_close_matches(leaf, siblings, n=1)]
+    if not near:  # e.g. a top-level 'lr' -> 'optim.lr' or 'sft.lr'
+        every = _all_keys(TrainConfig)
+        leaves = {k.rsplit(".", 1)[-1] for k in every}
+        match = difflib.get_close_matches(leaf, leaves, n=1, cutoff=0.75)
+        near = [k for k in every if match and k.rsplit(".", 1)[-1] == match[0]][:3]
+    if near:
+        return f"unknown key {key!r}; did you mean {' or '.join(map(repr, near))}?"
+    return f"unknown key {key!r}; valid keys here: {', '.join(siblings)}"
+
+
+def _all_keys(cls: type[Any], prefix: str = "") -> list[str]:
+    """Every dotted key of dataclass ``cls``, sections included."""
+    out, hints = [], typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        out.append(prefix + f.name)
+        if _is_section(hints[f.name]):
+            out.extend(_all_keys(hints[f.name], f"{prefix}{f.name}."))
+    return out
+
+
+def _value_problems(section: Any, prefix: str) -> list[str]:
+    """The value problems of ``section`` and of every section inside it, with full keys."""
+    out = []
+    for f in dataclasses.fields(section):
+        if isinstance(child := getattr(section, f.name), _Checked):
+            out.extend(_value_problems(child, f"{prefix}{f.name}."))
+    own = section._problems()
+    return out + (own if isinstance(section, TrainConfig) else [prefix + p for p in own])
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A config (or one section) as plain nested dicts, lists and scalars, for YAML or JSON."""
+    return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def _plain(value: Any) -> Any:
+    if _is_section(type(value)):
+        return to_dict(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return {k: _plain(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+def dump_yaml(cfg: TrainConfig, path: str | os.PathLike[str]) -> None:
+    """Write ``format_config(cfg)`` to ``path`` atomically; ``load_config(path)`` reads it back."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(format_config(cfg) + "\n", encoding="utf-8")
+    os.replace(tmp, target)
+
+
+def format_config(cfg: TrainConfig) -> str:
+    """The resolved config as YAML (for ``--dry-run``), ending with what differs from defaults."""
+    text = yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+    now, base = _flatten(to_dict(cfg)), to_dict(TrainConfig(env=EnvConfig(id=cfg.env.id)))
+    changed = ", ".join(f"{k} (default {v!r})" for k, v in _flatten(base).items() if now[k] != v)
+    return text + "# changed from the defaults: " + (changed or "nothing")
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as one dict with dotted keys (``env.kwargs`` stays one value)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and prefix + key != "env.kwargs":
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out

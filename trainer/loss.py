@@ -1,0 +1,390 @@
+"""One policy loss for the whole family, a PPO value loss, and logprobs from logits.
+
+Choices made:
+
+* One objective, the decoupled PPO loss of AReaL, with three policies: the behaviour policy
+  that sampled each token (its logprob recorded by the engine), the proximal policy (the
+  trust-region anchor: recomputed, or interpolated from versions) and the current policy::
+
+      r = pi_theta / pi_prox          w = pi_prox / pi_behav  (clipped at cap, or masked)
+      L = - agg( w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) )
+
+  Without a proximal logprob, pi_prox = pi_behav and w = 1: standard PPO.
+* Every algorithm is a setting of this loss: asymmetric clip (DAPO), sequence-level
+  geometric-mean ratio (GSPO), soft sigmoid gate instead of the clip (SAPO), second-moment
+  token masking (M2PO), k1/k2/k3 KL to a reference, four aggregations or explicit weights.
+* Tokens dropped by a correction (behaviour mask, M2PO) contribute 0 but stay in the
+  aggregation's denominator, so the loss scale does not depend on how many were dropped.
+* Log-ratios are clamped to +-20 before exp so that a wild token gives a large but finite
+  loss instead of inf/NaN.
+* Logprobs follow the engines' convention: ``log_softmax(logits / T)`` in float32, T = 1 for
+  greedy (T = 0).
+
+Left out: dual-clip PPO, token-level entropy bonuses beyond a plain coefficient, chunked
+logprob computation over the vocabulary (the training loop chunks sequences if needed).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+RatioLevel = Literal["token", "sequence"]
+BehaviourCorrection = Literal["clip", "mask", "none"]
+Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+_MAX_LOG_RATIO = 20.0
+
+
+def _check_choice(name: str, value: str, kind: object) -> None:
+    choices = get_args(kind)
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+# ------------------------------------------------------------------ logits
+def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """Logprob of ``tokens`` under ``log_softmax(logits / T)`` in float32 (T = 1 when T == 0).
+
+    The same quantity the inference engines record, so that the first training step on fresh
+    data sees ratio 1. ``logits`` is ``[..., V]``, ``tokens`` ``[...]``.
+    """
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy ``-sum(p * log p)`` of ``softmax(logits / T)`` in float32, over the last axis."""
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+# ------------------------------------------------------------------ helpers
+def approx_proximal_logp(
+    behav_logp: Tensor,
+    cur_logp: Tensor,
+    behav_version: Tensor,
+    cur_version: int,
+    prox_version: int,
+) -> Tensor:
+    """Proximal logprobs without a forward pass: log-linear interpolation over versions.
+
+    A token sampled by policy version v_b has a behaviour logprob; the current policy (about
+    to be version ``cur_version``) gives ``cur_logp``. The proximal policy, version
+    ``prox_version``, is taken on the straight line between them in log space::
+
+        alpha         = clamp((prox_version - v_b) / (cur_version - v_b), 0, 1)
+        log pi_prox  ~= log pi_behav + alpha * (log pi_theta - log pi_behav)
+
+    (alpha = 0 when ``cur_version == v_b``.) Tokens from the proximal version itself get
+    their behaviour logprob exactly. The result carries no gradient.
+    """
+    vb = behav_version.to(torch.float32)
+    span = float(cur_version) - vb
+    alpha = torch.where(span > 0, (float(prox_version) - vb) / span.clamp(min=1), 0.0)
+    alpha = alpha.clamp(0.0, 1.0)
+    b = behav_logp.detach().float()
+    return b + alpha * (cur_logp.detach().float() - b)
+
+
+def m2po_mask(log_ratio: Tensor, mask: Tensor, tau: float) -> Tensor:
+    """M2PO's second-moment mask: drop the largest squared log-ratios until M2 <= tau.
+
+    Over the batch's valid tokens, ``M2 = mean(log_ratio ** 2)``. Tokens are removed in order
+    of decreasing ``log_ratio ** 2`` until the M2 of those left is at most ``tau``. Returns
+    the mask of kept tokens (a subset of ``mask``).
+    """
+    valid = mask.bool()
+    sq = log_ratio.detach().float()[valid] ** 2
+    n = sq.numel()
+    if n == 0:
+        return valid
+    s, order = torch.sort(sq, descending=True)
+    tail = s.flip(0).cumsum(0).flip(0)  # tail[k] = sum(s[k:])
+    m2_after = tail / torch.arange(n, 0, -1, device=s.device, dtype=s.dtype)
+    ok = torch.nonzero(m2_after <= tau)
+    drop_n = int(ok[0]) if ok.numel() else n
+    keep_valid = torch.ones(n, dtype=torch.bool, device=s.device)
+    keep_valid[order[:drop_n]] = False
+    keep = torch.zeros_like(valid)
+    keep[valid] = keep_valid
+    return keep
+
+
+def _segment_mean_tokens(x: Tensor, mask: Tensor, segment_ids: Tensor | None) -> Tensor:
+    """Mean of ``x`` over each (row, segment)'s valid tokens, broadcast back to its tokens."""
+    rows, width = x.shape
+    valid = mask.bool()
+    seg = torch.zeros_like(x, dtype=torch.long) if segment_ids is None else segment_ids.long()
+    k = int(seg.max().clamp(min=0)) + 1
+    row_of = torch.arange(rows, device=x.device).unsqueeze(1).expand(rows, width)
+    key = torch.where(valid, row_of * k + seg.clamp(min=0), torch.zeros_like(seg))
+    _, inv = torch.unique(key[valid], return_inverse=True)
+    n = int(inv.max()) + 1 if inv.numel() else 0
+    tot = x.new_zeros(n).index_add(0, inv, x[valid])
+    cnt = x.new_zeros(n).index_add(0, inv, torch.ones_like(x[valid]))
+    out = torch.zeros_like(x)
+    return out.masked_scatter(valid, (tot / cnt)[inv])
+
+
+def aggregate(x: Tensor, mask: Tensor, agg: Agg, max_tokens: int | None = None) -> Tensor:
+    """Reduce per-token values ``[B, T]`` to a scalar over the tokens where ``mask`` is set::
+
+        token_mean               sum(x) / N_tokens                         (DAPO)
+        seq_mean_token_mean      mean over rows of (sum_t x / n_tokens(row))  (GRPO, GSPO)
+        seq_mean_token_sum       mean over rows of sum_t x                 (REINFORCE, RLOO)
+        seq_mean_token_sum_norm  sum(x) / (B * max_tokens)                 (Dr.GRPO)
+
+    Rows without tokens are left out of the seq means' count except in the last (a constant
+    normalizer by design).
+    """
+    _check_choice("agg", agg, Agg)
+    m = mask.to(x.dtype)
+    xm = x * m
+    if agg == "token_mean":
+        return xm.sum() / m.sum().clamp(min=1)
+    per_row, n_tok = xm.sum(-1), m.sum(-1)
+    if agg == "seq_mean_token_sum_norm":
+        if max_tokens is None or max_tokens < 1:
+            raise ValueError(
+                "max_tokens: agg='seq_mean_token_sum_norm' (Dr.GRPO) needs the constant "
+                f"normalizer, e.g. sampling.max_new_tokens; got {max_tokens}"
+            )
+        return per_row.sum() / (x.shape[0] * max_tokens)
+    has = (n_tok > 0).to(x.dtype)
+    if agg == "seq_mean_token_mean":
+        per_row = per_row / n_tok.clamp(min=1)
+    return (per_row * has).sum() / has.sum().clamp(min=1)
+
+
+def _kl(log_ratio: Tensor, estimator: KLEstimator) -> Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimates from d = log pi_theta - log pi_ref."""
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    return torch.exp(-log_ratio) - 1.0 + log_ratio
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+# ------------------------------------------------------------------ policy loss
+def _behaviour_weight(
+    log_w: Tensor, valid: Tensor, correction: BehaviourCorrection, cap: float
+) -> tuple[Tensor, Tensor]:
+    """w = pi_prox / pi_behav after the correction, and where it exceeded ``cap``."""
+    w = torch.exp(log_w.clamp(max=_MAX_LOG_RATIO))
+    over = (w > cap) & valid
+    if correction == "clip":
+        w = w.clamp(max=cap)
+    elif correction == "mask":
+        w = torch.where(over, torch.zeros_like(w), w)
+    else:
+        w = torch.ones_like(w)
+    return w, over
+
+
+def _surrogate(
+    ratio: Tensor,
+    adv: Tensor,
+    clip_low: float | None,
+    clip_high: float | None,
+    sapo: tuple[float, float] | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token objective, and where the low / high clip was binding."""
+    if sapo is not None:
+        tau = torch.where(adv > 0, sapo[0], sapo[1]).to(ratio.dtype)
+        obj = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
+        none = torch.zeros_like(ratio, dtype=torch.bool)
+        return obj, none, none
+    lo = None if clip_low is None else 1.0 - clip_low
+    hi = None if clip_high is None else 1.0 + clip_high
+    clipped = ratio if lo is None and hi is None else ratio.clamp(min=lo, max=hi)
+    obj = torch.minimum(ratio * adv, clipped * adv)
+    r = ratio.detach()
+    low = (adv < 0) & (r < lo) if lo is not None else torch.zeros_like(r, dtype=torch.bool)
+    high = (adv > 0) & (r > hi) if hi is not None else torch.zeros_like(r, dtype=torch.bool)
+    return obj, low, high
+
+
+def policy_loss(
+    logp: Tensor,
+    behav_logp: Tensor,
+    prox_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float | None = 0.2,
+    clip_high: float | None = 0.2,
+    ratio_level: RatioLevel = "token",
+    segment_ids: Tensor | None = None,
+    behaviour_correction: BehaviourCorrection = "clip",
+    behaviour_cap: float = 5.0,
+    agg: Agg = "token_mean",
+    max_tokens: int | None = None,
+    weights: Tensor | None = None,
+    sapo_tau_pos: float | None = None,
+    sapo_tau_neg: float | None = None,
+    m2po_tau: float | None = None,
+    ref_logp: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """The decoupled PPO objective, configured. Returns ``(loss, stats)``.
+
+    Inputs are ``[B, T]`` (``advantages`` may be ``[B]``, one per row); ``logp`` carries the
+    gradient, the others are constants. Per token, with eps_low/eps_high = clip_low/clip_high
+    (None: no bound on that side)::
+
+        r   = exp(logp - prox_logp)                           prox_logp = behav_logp if None
+        w   = exp(prox_logp - behav_logp), then               behaviour_correction
+                clip: min(w, cap)   mask: 0 where w > cap   none: 1
+        obj = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+        L   = -agg(w * obj) + kl_coef * agg(KL) - entropy_coef * agg(H)
+
+    ``ratio_level="sequence"`` (GSPO) replaces r and w by their geometric mean over each
+    sequence, ``exp(mean_t log r_t)``, where a sequence is a row or, with ``segment_ids``
+    (e.g. ``token_completion``), each completion of a merged row. SAPO (``sapo_tau_pos``,
+    ``sapo_tau_neg``) replaces the clipped min by a soft gate whose gradient is
+    ``4 sigma(1 - sigma) r A grad log pi``, equal to the plain policy gradient at r = 1::
+
+        obj = sigmoid(tau * (r - 1)) * 4 / tau * A,   tau = tau_pos if A > 0 else tau_neg
+
+    M2PO (``m2po_tau``) zeroes the tokens chosen by :func:`m2po_mask` on
+    ``log pi_theta - log pi_behav``. KL to ``ref_logp`` with d = logp - ref_logp: k1 = d,
+    k2 = d^2 / 2, k3 = exp(-d) - 1 + d. ``weights`` (see ``completion_weights``) replace
+    ``agg``: each term becomes ``sum(weights * x)``. Dropped tokens stay in denominators.
+    """
+    _check_policy_inputs(logp, behav_logp, mask, ratio_level, behaviour_correction, agg)
+    _check_choice("kl_estimator", kl_estimator, KLEstimator)
+    if (sapo_tau_pos is None) != (sapo_tau_neg is None):
+        raise ValueError("sapo_tau_pos, sapo_tau_neg: set both (SAPO) or neither")
+    if behaviour_cap < 1:
+        raise ValueError(f"behaviour_cap: expected >= 1, got {behaviour_cap}")
+    if kl_coef and ref_logp is None:
+        raise ValueError("ref_logp: kl_coef > 0 needs the reference model's logprobs")
+    valid = mask.bool()
+    adv = advantages.detach().float()
+    adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
+    behav = behav_logp.detach().float()
+    prox = behav if prox_logp is None else prox_logp.detach().float()
+    cur = logp.float()
+
+    log_r, log_w = cur - prox, prox - behav
+    if ratio_level == "sequence":
+        log_r = _segment_mean_tokens(log_r, valid, segment_ids)
+        log_w = _segment_mean_tokens(log_w, valid, segment_ids)
+    ratio = torch.exp(log_r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    w, over = _behaviour_weight(log_w, valid, behaviour_correction, behaviour_cap)
+    keep = valid
+    if m2po_tau is not None:
+        keep = m2po_mask(cur.detach() - behav, valid, m2po_tau)
+    sapo = None if sapo_tau_pos is None or sapo_tau_neg is None else (sapo_tau_pos, sapo_tau_neg)
+    obj, low, high = _surrogate(ratio, adv, clip_low, clip_high, sapo)
+    per_token = -(w * keep.to(w.dtype) * obj)
+
+    def reduce(x: Tensor) -> Tensor:
+        if weights is not None:
+            return (x * weights.to(x.dtype) * mask.to(x.dtype)).sum()
+        return aggregate(x, mask, agg, max_tokens)
+
+    loss = pg = reduce(per_token)
+    stats = {
+        "policy_loss": pg.detach(),
+        "advantage_mean": _masked_mean(adv, valid),
+        "ratio_mean": _masked_mean(ratio.detach(), valid),
+        "approx_kl": _masked_mean(torch.expm1(log_r.detach()) - log_r.detach(), valid),
+        "clip_fraction": _masked_mean((low | high).float(), valid),
+        "clip_low_fraction": _masked_mean(low.float(), valid),
+        "clip_high_fraction": _masked_mean(high.float(), valid),
+        "behaviour_clip_fraction": _masked_mean(over.float(), valid),
+        "behaviour_weight_mean": _masked_mean(w, valid),
+    }
+    if m2po_tau is not None:
+        stats["m2"] = _masked_mean((cur.detach() - behav) ** 2, valid)
+        stats["m2po_masked_fraction"] = _masked_mean((valid & ~keep).float(), valid)
+    if sapo is not None:
+        sig = torch.sigmoid(torch.where(adv > 0, sapo[0], sapo[1]) * (ratio.detach() - 1.0))
+        stats["sapo_gate_mean"] = _masked_mean(4.0 * sig * (1.0 - sig), valid)
+    if ref_logp is not None:
+        kl = _kl(cur - ref_logp.detach().float(), kl_estimator)
+        stats["kl"] = _masked_mean(kl.detach(), valid)
+        if kl_coef:
+            loss = loss + kl_coef * reduce(kl)
+    if entropy is not None:
+        stats["entropy"] = _masked_mean(entropy.detach().float(), valid)
+        if entropy_coef:
+            loss = loss - entropy_coef * reduce(entropy.float())
+    stats["loss"] = loss.detach()
+    return loss, _floats(stats)
+
+
+def _check_policy_inputs(
+    logp: Tensor,
+    behav_logp: Tensor,
+    mask: Tensor,
+    ratio_level: str,
+    behaviour_correction: str,
+    agg: str,
+) -> None:
+    _check_choice("ratio_level", ratio_level, RatioLevel)
+    _check_choice("behaviour_correction", behaviour_correction, BehaviourCorrection)
+    _check_choice("agg", agg, Agg)
+    if logp.dim() != 2 or behav_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(
+            f"logp, behav_logp, mask: expected equal [B, T] shapes, got {tuple(logp.shape)}, "
+            f"{tuple(behav_logp.shape)}, {tuple(mask.shape)}"
+        )
+
+
+def _floats(stats: dict[str, Tensor]) -> dict[str, float]:
+    """Detached scalar tensors to floats with a single device sync."""
+    values = torch.stack([v.detach().float().reshape(()) for v in stats.values()]).tolist()
+    return dict(zip(stats, values, strict=True))
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = 0.2,
+    agg: Agg = "token_mean",
+    max_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO's clipped value loss. Returns ``(loss, stats)``::
+
+    v_clip = old_values + clamp(values - old_values, -clip, clip)
+    L      = agg(0.5 * max((values - R)^2, (v_clip - R)^2))       (clip=None: first term)
+    """
+    v = values.float()
+    ret = returns.detach().float()
+    err = (v - ret) ** 2
+    if clip is None:
+        per_token = 0.5 * err
+        clipped_frac = torch.zeros(())
+    else:
+        old = old_values.detach().float()
+        v_clip = old + (v - old).clamp(-clip, clip)
+        err_clip = (v_clip - ret) ** 2
+        per_token = 0.5 * torch.maximum(err, err_clip)
+        clipped_frac = _masked_mean((err_clip > err).float(), mask.bool())
+    loss = aggregate(per_token, mask, agg, max_tokens)
+    return loss, _floats(
+        {
+            "value_loss": loss,
+            "value_clip_fraction": clipped_frac.to(loss.device),
+            "value_mean": _masked_mean(v.detach(), mask.bool()),
+        }
+    )
