@@ -229,9 +229,44 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+# Attribute names an exact ``dict`` resolves with ``getattr`` (its methods and object's).
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja's immutable sandbox with the same decisions, made faster for chat templates.
+
+    Two shortcuts, both exact: ``message.role`` on a plain ``dict`` goes straight to the
+    item when ``dict`` has no attribute of that name (the sandbox would try ``getattr``
+    first, fail and then subscript), and whether an attribute is safe, which jinja decides
+    from the object's type and the attribute's name only, is remembered per (type, name).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._safe: dict[tuple[type, str], bool] = {}
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        safe = self._safe.get(key)
+        if safe is None:
+            safe = super().is_safe_attribute(obj, attr, value)
+            if len(self._safe) < 4096:
+                self._safe[key] = safe
+        return safe
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -266,10 +301,25 @@ def _wants_mapping_arguments(source: str) -> bool:
 # --- message normalisation -------------------------------------------------------------------
 
 
+_JSON_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def _plain(value: Any) -> Any:
     """Rebuild ``value`` from plain JSON types; other objects become ``"<TypeName>"``."""
-    if value is None or type(value) in (str, int, float, bool):
+    kind = type(value)
+    if kind in _JSON_SCALARS:
         return value
+    # Plain dicts and lists first, their scalars copied in place: the same result as the
+    # general cases below, with far fewer calls.
+    if kind is dict:
+        return {
+            (key if type(key) is str else _plain(key)): (
+                item if type(item) in _JSON_SCALARS else _plain(item)
+            )
+            for key, item in value.items()
+        }
+    if kind is list:
+        return [item if type(item) in _JSON_SCALARS else _plain(item) for item in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):

@@ -25,6 +25,7 @@ the proxy is never blocked by a forward pass.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -105,6 +106,7 @@ class EmbeddedEngine:
         max_batch_size: int = 64,
         max_context: int | None = None,
         version: int = 0,
+        compute_lock: FairLock | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -118,6 +120,9 @@ class EmbeddedEngine:
         self._version = version
         self._device = next(model.parameters()).device
         self._cache_kwarg = _cache_kwarg(model)
+        # Shared with a trainer in the same process on CPU: two OpenMP teams on the same
+        # cores slow both down many times over, so forward passes take turns.
+        self._compute = compute_lock or contextlib.nullcontext()
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._commands: queue.Queue[tuple[str, Any, asyncio.Future[Any], Any]] = queue.Queue()
         self._wake = threading.Event()
@@ -313,7 +318,8 @@ class EmbeddedEngine:
             prefix = (req.prompt_ids + req.out_ids)[:-1]
             if prefix:
                 ids = torch.tensor([prefix], device=self._device)
-                out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                with self._compute:
+                    out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
                 cache = _cache_of(out)
                 self._stats["prefills"] += 1
             else:
@@ -354,15 +360,23 @@ class EmbeddedEngine:
         ones = torch.ones(len(self._active), 1, dtype=torch.long)
         self._mask = torch.cat([self._mask, ones], 1)
         positions = (self._mask.sum(1, keepdim=True) - 1).to(self._device)
-        out = self.model(
+        with self._compute:
+            out = self._model_step(last, positions)
+        self._cache = _cache_of(out)
+        tokens, logps, tops = self._sample(out.logits[:, -1, :].float())
+        self._after_step(tokens, logps, tops)
+
+    def _model_step(self, last: torch.Tensor, positions: torch.Tensor) -> Any:
+        assert self._mask is not None
+        return self.model(
             input_ids=last,
             attention_mask=self._mask.to(self._device),
             position_ids=positions,
             use_cache=True,
             **{self._cache_kwarg: self._cache},
         )
-        self._cache = _cache_of(out)
-        tokens, logps, tops = self._sample(out.logits[:, -1, :].float())
+
+    def _after_step(self, tokens: list[int], logps: list[float], tops: list[Any]) -> None:
         self._stats["decode_steps"] += 1
         keep: list[int] = []
         for i, req in enumerate(self._active):
@@ -436,6 +450,31 @@ class EmbeddedEngine:
         for layer in self._cache.layers:
             layer.keys = layer.keys.index_select(0, dev_idx)[:, :, trim:]
             layer.values = layer.values.index_select(0, dev_idx)[:, :, trim:]
+
+
+class FairLock:
+    """A first-come, first-served lock for forward passes shared by threads.
+
+    ``threading.Lock`` lets the engine's decode loop take the lock again right after
+    releasing it, starving a trainer thread that waits for it; tickets make them alternate.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0
+        self._serving = 0
+
+    def __enter__(self) -> FairLock:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
 
 
 def _cache_kwarg(model: Any) -> str:

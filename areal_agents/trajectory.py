@@ -28,7 +28,7 @@ The data contract of DESIGN.md, in code:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -95,12 +95,34 @@ class Episode:
     errors: list[dict[str, Any]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # The message keys of each recorded completion's request, so that linking a new
+        # completion does not re-key the whole episode (see ``_chain``).
+        self._request_keys: dict[int, tuple[Completion, int, list[tuple[Any, ...]]]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The keys are a cache: copies and pickles (sent to trainer processes) go without.
+        return {k: v for k, v in self.__dict__.items() if k != "_request_keys"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._request_keys = {}
+
     # -- building --------------------------------------------------------------------
     def add(self, completion: Completion) -> Completion:
         """Append ``completion``, linking it to its parent (see the module docstring)."""
-        completion.parent_id = find_parent(self.completions, completion.messages)
+        keys = [message_key(m) for m in completion.messages]
+        completion.parent_id = _longest_prefix(self.completions, keys, self._chain)
         self.completions.append(completion)
+        self._request_keys[id(completion)] = (completion, len(completion.messages), keys)
         return completion
+
+    def _chain(self, c: Completion) -> list[tuple[Any, ...]]:
+        """The keys of ``c.messages`` (remembered since ``add``) + ``c.message``."""
+        known = self._request_keys.get(id(c))
+        if known is None or known[0] is not c or known[1] != len(c.messages):
+            return _chain_keys(c)
+        return [*known[2], message_key(c.message)]
 
     def by_id(self, completion_id: str) -> Completion | None:
         return next((c for c in self.completions if c.id == completion_id), None)
@@ -199,14 +221,26 @@ def _canonical_args(fn: dict[str, Any]) -> str:
 
 def find_parent(earlier: Iterable[Completion], messages: list[dict[str, Any]]) -> str | None:
     """The id of the earlier completion that ``messages`` continues, or None."""
-    keys = [message_key(m) for m in messages]
+    return _longest_prefix(earlier, [message_key(m) for m in messages], _chain_keys)
+
+
+def _chain_keys(c: Completion) -> list[tuple[Any, ...]]:
+    return [*(message_key(m) for m in c.messages), message_key(c.message)]
+
+
+def _longest_prefix(
+    earlier: Iterable[Completion],
+    keys: list[tuple[Any, ...]],
+    chain_of: Callable[[Completion], list[tuple[Any, ...]]],
+) -> str | None:
+    """The id of the completion whose keys (``chain_of``: its messages', then its reply's)
+    are the longest prefix of ``keys``; the latest on ties."""
     best: tuple[int, str] | None = None
     for c in earlier:
         n = len(c.messages) + 1
-        if n > len(keys):
+        if n > len(keys) or (best is not None and n < best[0]):
             continue
-        prefix = [message_key(m) for m in c.messages] + [message_key(c.message)]
-        if prefix == keys[:n] and (best is None or n >= best[0]):
+        if chain_of(c) == keys[:n]:
             best = (n, c.id)
     return best[1] if best else None
 

@@ -187,7 +187,7 @@ class CompletionReturns:
     """One row per completion of a batch of episodes: the inputs of ``group_advantages``."""
 
     returns: Tensor
-    """G(c), float32, one per row."""
+    """G(c), float64 (as exact as ``Episode.returns``), one per row."""
     group_ids: list[str]
     episode_ids: list[str]
     completion_ids: list[str]
@@ -213,7 +213,7 @@ def completion_returns(episodes: Sequence[Episode], gamma: float = 1.0) -> Compl
             cids.append(c.id)
             roots.append(c.parent_id is None)
     return CompletionReturns(
-        torch.tensor(rets, dtype=torch.float32), groups, eps, cids, torch.tensor(roots)
+        torch.tensor(rets, dtype=torch.float64), groups, eps, cids, torch.tensor(roots)
     )
 
 

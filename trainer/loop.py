@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from areal_agents.chat import ChatTokenizer
+from areal_agents.embedded import FairLock
 from areal_agents.errors import ConfigError
 from areal_agents.model import resolve_model
 from areal_agents.proxy import Proxy
@@ -206,6 +207,9 @@ class Trainer:
                 "lora_dropout": cfg.model.lora.dropout,
                 "target_modules": list(cfg.model.lora.target_modules),
             }
+        # On CPU the engine and the trainer share the cores: their forward passes take turns.
+        on_cpu = not torch.cuda.is_available() or (cfg.model.device or "").startswith("cpu")
+        lock = FairLock() if on_cpu else None
         self.policy = Policy(
             self.model_path,
             dtype=dtype,
@@ -216,6 +220,7 @@ class Trainer:
             weight_decay=cfg.optim.weight_decay,
             betas=tuple(cfg.optim.betas),  # type: ignore[arg-type]
             grad_clip=cfg.optim.grad_clip or float("inf"),
+            compute_lock=lock,
         )
         engine_dtype = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
         self.engine = EmbeddedEngine.from_pretrained(
@@ -224,6 +229,7 @@ class Trainer:
             device=cfg.model.device,
             decode=self.tokenizer.decode,
             max_batch_size=max(cfg.rollout.concurrency, 1),
+            compute_lock=lock,
         )
         self.proxy = Proxy(self.engine, self.tokenizer)
         s = cfg.sampling

@@ -19,6 +19,7 @@ Left out: tensor/pipeline parallelism (one device), sequence parallelism.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class Policy:
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float = 1.0,
+        compute_lock: Any = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -122,6 +124,8 @@ class Policy:
             self.params, lr=lr, weight_decay=weight_decay, betas=betas
         )
         self.grad_clip = grad_clip
+        # Shared with an inference engine in the same process (see EmbeddedEngine).
+        self._compute = compute_lock or contextlib.nullcontext()
 
     # ------------------------------------------------------------------ forward passes
     def _forward(self, packed: Packed) -> torch.Tensor:
@@ -151,7 +155,8 @@ class Policy:
         out: list[torch.Tensor | None] = [None] * len(seqs)
         for group in pack([len(s) for s in seqs], micro_batch_tokens):
             packed = make_packed(seqs, group, self.device)
-            logps, _ = self._per_item(self._forward(packed), packed, temperature, False)
+            with self._compute:
+                logps, _ = self._per_item(self._forward(packed), packed, temperature, False)
             for (i, _, _), lp in zip(packed.spans, logps, strict=True):
                 out[i] = lp.cpu()
         self.model.train(was_training)
@@ -171,15 +176,17 @@ class Policy:
         n_micro = 0
         for group in pack([len(s) for s in seqs], micro_batch_tokens):
             packed = make_packed(seqs, group, self.device)
-            logps, ents = self._per_item(self._forward(packed), packed, temperature, True)
-            loss, stats = loss_fn([i for i, _, _ in packed.spans], logps, ents)
-            loss.backward()
+            with self._compute:
+                logps, ents = self._per_item(self._forward(packed), packed, temperature, True)
+                loss, stats = loss_fn([i for i, _, _ in packed.spans], logps, ents)
+                loss.backward()
             n_micro += 1
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-        if math.isfinite(float(norm)):
-            self.optimizer.step()
+        with self._compute:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            if math.isfinite(float(norm)):
+                self.optimizer.step()
         totals["grad_norm"] = float(norm)
         totals["micro_batches"] = n_micro
         return totals

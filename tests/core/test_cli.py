@@ -1,0 +1,75 @@
+"""The areal-agent command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "areal_agents.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_envs_lists_the_builtin_ids():
+    out = cli("envs")
+    assert out.returncode == 0, out.stderr
+    for env_id in (
+        "areal/Math-v0",
+        "areal/Calculator-v0",
+        "areal/Search-v0",
+        "areal/Tau2Retail-v0",
+        "areal/Tau2Airline-v0",
+    ):
+        assert env_id in out.stdout
+
+
+def test_train_dry_run_prints_resolved_config_and_bad_keys_name_the_fix():
+    out = cli(
+        "train", "--config", "examples/agents/quickstart.yaml", "--dry-run", "rollout.group_size=6"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "group_size: 6" in out.stdout and "areal/Calculator-v0" in out.stdout
+    bad = cli("train", "env.id=areal/Calculator-v0", "rollout.group_sise=4", "optim.lr=-1")
+    assert bad.returncode == 2
+    assert "did you mean 'rollout.group_size'" in bad.stderr
+    assert "optim.lr" in bad.stderr
+
+
+def test_eval_unknown_env_suggests_nearest_before_loading_a_model():
+    out = cli("eval", "--env", "areal/Calculater-v0")
+    assert out.returncode == 2
+    assert "areal/Calculator-v0" in out.stderr
+
+
+@pytest.mark.slow
+def test_serve_smoke_answers_and_records_with_the_default_model():
+    """The README's main-job path: the offline default model behind the proxy."""
+    out = cli("serve", "--smoke", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert '"decodes_to_reply": true' in out.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_train_runs_and_writes_logs_checkpoints_and_final_model(tmp_path):
+    """The README's first command, on the default model (about a minute on 2 cores)."""
+    out = cli(
+        "train",
+        "--config",
+        "examples/agents/quickstart.yaml",
+        "--quiet",
+        f"train.output_dir={tmp_path}",
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
+    assert any((tmp_path / "tensorboard").iterdir())
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-000002"
+    assert (tmp_path / "final" / "config.json").exists()
+    assert (tmp_path / "config.yaml").exists()
