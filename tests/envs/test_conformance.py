@@ -99,3 +99,31 @@ def test_check_env_catches_seed_nondeterminism_and_stepping_after_the_end():
     assert "reset with the same seed gave a different task_id" in problems
     assert "step after the end of the episode did not raise" in problems
     assert "does not implement score()" in problems
+
+
+def test_gymnasium_make_creates_every_registered_env():
+    """Every id `areal-agent envs` lists is created by plain ``gymnasium.make``."""
+    import gymnasium
+
+    from envs.registry import list_envs
+    from envs.tau2 import ScriptedUserSimulator
+
+    ids = [env_id for env_id, _ in list_envs()]
+    assert {
+        "areal/Math-v0",
+        "areal/Calculator-v0",
+        "areal/Search-v0",
+        "areal/Tau2Retail-v0",
+        "areal/Tau2Airline-v0",
+    } <= set(ids)
+    for env_id in ids:
+        # tau2 episodes need a user simulator (an LLM endpoint, or a script in tests)
+        kw = (
+            {"user_simulator": ScriptedUserSimulator(["Hi, I need help."])}
+            if "Tau2" in env_id
+            else {}
+        )
+        env = gymnasium.make(env_id, **kw)
+        obs, info = env.reset(seed=0)
+        assert obs and isinstance(info.get("tools"), list), env_id
+        env.close()
