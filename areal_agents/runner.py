@@ -125,16 +125,26 @@ class Runner:
         options: dict[str, Any] | None = None,
         agent: Any = None,
         group_id: str | None = None,
+        sampling_seed: int | None = None,
     ) -> list[EpisodeResult]:
-        """``n`` episodes of the same task (same seed and options), concurrently."""
+        """``n`` episodes of the same task (same seed and options), concurrently.
+
+        With ``sampling_seed``, episode i samples with seed ``sampling_seed + i`` (see
+        :meth:`run_episode`), so a group is reproducible; without it sampling is random.
+        """
         gid = group_id or "grp-" + uuid.uuid4().hex[:12]
         return list(
             await asyncio.gather(
                 *[
                     self.run_episode(
-                        make_env, seed=seed, options=options, agent=agent, group_id=gid
+                        make_env,
+                        seed=seed,
+                        options=options,
+                        agent=agent,
+                        group_id=gid,
+                        sampling_seed=None if sampling_seed is None else sampling_seed + i,
                     )
-                    for _ in range(n)
+                    for i in range(n)
                 ]
             )
         )
@@ -147,12 +157,24 @@ class Runner:
         options: dict[str, Any] | None = None,
         agent: Any = None,
         group_id: str | None = None,
+        sampling_seed: int | None = None,
     ) -> EpisodeResult:
-        """Run one episode; never raises for failures inside it (see the module docstring)."""
+        """Run one episode; never raises for failures inside it (see the module docstring).
+
+        ``seed`` and ``options`` go to ``env.reset`` (they pick the task). With
+        ``sampling_seed``, the model call of turn t (env-driven) samples with seed
+        ``sampling_seed * 1000 + t``, which makes the episode reproducible.
+        """
         async with self._slots:
             start = time.perf_counter()
             session = self.proxy.sessions.create(group_id=group_id)
-            state: dict[str, Any] = {"turns": 0, "reward": 0.0, "info": {}, "success": None}
+            state: dict[str, Any] = {
+                "turns": 0,
+                "reward": 0.0,
+                "info": {},
+                "success": None,
+                "sampling_seed": sampling_seed,
+            }
             try:
                 env = make_env()
             except Exception as exc:
@@ -206,12 +228,14 @@ class Runner:
         state["task"] = {k: v for k, v in info.items() if k != "tools"}
         messages = list(obs)
         tools = info.get("tools") or None
-        for _ in range(self.max_turns):
+        for turn in range(self.max_turns):
             body: dict[str, Any] = {
                 "model": self.proxy.model_name,
                 "messages": messages,
                 **self.sampling,
             }
+            if state["sampling_seed"] is not None:
+                body["seed"] = state["sampling_seed"] * 1000 + turn
             if tools:
                 body["tools"] = tools
             reply = await self.proxy.complete(session, body)

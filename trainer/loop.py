@@ -308,7 +308,11 @@ class Trainer:
 
         async def one_group(g: int) -> None:
             results = await self.runner.run_group(
-                self.make_env, G, seed=self.seed_base + g, group_id=f"g{g}"
+                self.make_env,
+                G,
+                seed=self.seed_base + g,
+                group_id=f"g{g}",
+                sampling_seed=(self.seed_base + g) * G,
             )
             for r in results:
                 if not r.ok:

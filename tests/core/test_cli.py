@@ -73,3 +73,47 @@ def test_quickstart_train_runs_and_writes_logs_checkpoints_and_final_model(tmp_p
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-000002"
     assert (tmp_path / "final" / "config.json").exists()
     assert (tmp_path / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_eval_on_the_default_model_writes_episodes_and_report(tmp_path):
+    """`areal-agent eval --env <math id> --episodes 16 --k 4` on CPU with the default model."""
+    import json
+
+    out = cli(
+        "eval",
+        "--env",
+        "areal/Calculator-v0",
+        "--env-kwargs",
+        '{"few_shot": 1}',
+        "--episodes",
+        "16",
+        "--k",
+        "4",
+        "--max-tokens",
+        "40",
+        "--max-turns",
+        "3",
+        "--out",
+        str(tmp_path),
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for words in (
+        "success rate",
+        "pass@4",
+        "pass^4",
+        "mean reward",
+        "mean turns",
+        "mean output tokens",
+        "ended:",
+    ):
+        assert words in out.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["episodes"] == 16 and report["tasks"] == 4 and report["k"] == 4
+    assert sum(report["end_reasons"].values()) == 16
+    rows = (tmp_path / "episodes.jsonl").read_text().splitlines()
+    assert len(rows) == 16
+    first = json.loads(rows[0])
+    assert first["completions"] and first["completions"][0]["output_ids"]
+    assert first["group_id"].startswith("task-")
