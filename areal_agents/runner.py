@@ -223,9 +223,7 @@ class Runner:
         agent: Any,
         state: dict[str, Any],
     ) -> str:
-        obs, info = await self._call_env("reset", env.reset, seed=seed, options=options)
-        session.episode.task_id = str(info.get("task_id")) if info.get("task_id") else None
-        state["task"] = {k: v for k, v in info.items() if k != "tools"}
+        obs, info = await self._reset(env, session, seed, options, state)
         messages = list(obs)
         tools = info.get("tools") or None
         for turn in range(self.max_turns):
@@ -269,9 +267,7 @@ class Runner:
     ) -> str:
         if self.base_url is None:
             raise UserError("agent-driven episodes need Runner(base_url=<proxy /v1 URL>)")
-        obs, info = await self._call_env("reset", env.reset, seed=seed, options=options)
-        session.episode.task_id = str(info.get("task_id")) if info.get("task_id") else None
-        state["task"] = {k: v for k, v in info.items() if k != "tools"}
+        obs, info = await self._reset(env, session, seed, options, state)
         task = AgentTask(
             messages=list(obs),
             tools=list(env.tools()),
@@ -297,6 +293,19 @@ class Runner:
         state["success"] = score_info.get("success")
         ep.final_reward = (ep.final_reward or 0.0) + float(reward)
         return "terminated"
+
+    async def _reset(
+        self,
+        env: Any,
+        session: Session,
+        seed: int | None,
+        options: dict[str, Any] | None,
+        state: dict[str, Any],
+    ) -> Any:
+        obs, info = await self._call_env("reset", env.reset, seed=seed, options=options)
+        session.episode.task_id = str(info.get("task_id")) if info.get("task_id") else None
+        state["task"] = {k: v for k, v in info.items() if k != "tools"}
+        return obs, info
 
     async def _call_env(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
