@@ -1,25 +1,23 @@
-"""A user-written environment: register it, check it, play one episode.
+"""A user-written environment: register it, check it, evaluate a model on it, play it.
 
 The agent must find the secret word of the day by calling ``lookup_word``, then say it.
-Run: ``python examples/agents/custom_env.py``
+Run: ``python examples/agents/custom_env.py --episodes 4`` (0 episodes: no evaluation)
 """
 
+import argparse
+
 import envs
-from envs.base import AgentEnv
+from areal_agents import cli
 from tools import function_tool
 
 
 @function_tool(state_params=["secret"])
 def lookup_word(day: str, secret: str) -> str:
-    """Look up the secret word of a day.
-
-    Args:
-        day: The day of the week, e.g. "monday".
-    """
+    """Look up the secret word of a day of the week (e.g. "monday")."""
     return secret if day.lower() == "monday" else f"No word for {day}."
 
 
-class SecretWordEnv(AgentEnv):
+class SecretWordEnv(envs.AgentEnv):
     """Find Monday's secret word with the lookup_word tool and say it."""
 
     WORDS = ("apple", "river", "stone", "cloud")
@@ -28,8 +26,7 @@ class SecretWordEnv(AgentEnv):
         index = options.get("task_index", int(self.np_random.integers(len(self.WORDS))))
         self.word = self.WORDS[index]
         self._tools = [lookup_word.bind(secret=self.word)]
-        messages = [{"role": "user", "content": "What is Monday's secret word?"}]
-        return messages, {"task_id": f"word-{index}"}
+        return [{"role": "user", "content": "What is Monday's secret word?"}], {"task_id": index}
 
     def _respond(self, message):
         success = self.word in (message.get("content") or "").lower()
@@ -44,14 +41,15 @@ class SecretWordEnv(AgentEnv):
 envs.register("demo/SecretWord-v0", SecretWordEnv, kwargs={"max_turns": 3}, override=True)
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--episodes", type=int, default=0, help="evaluate the default model")
+    episodes = parser.parse_args().episodes
     env = envs.make("demo/SecretWord-v0")
-    envs.check_env(env)
-    obs, info = env.reset(seed=0)
-    call = {
-        "id": "c1",
-        "type": "function",
-        "function": {"name": "lookup_word", "arguments": '{"day": "Monday"}'},
-    }
-    obs, *_ = env.step({"role": "assistant", "content": "", "tool_calls": [call]})
-    print(obs[0]["content"])
-    print(env.step(f"The word is {obs[0]['content']}.")[1:])
+    envs.check_env(env)  # seeding, tools, rewards, termination and score
+    if episodes > 0:  # `areal-agent eval`, run in this process (where the env is registered)
+        argv = ["eval", "--env", "demo/SecretWord-v0", "--episodes", str(episodes)]
+        cli.main([*argv, "--max-tokens", "48"])  # the default model, offline
+    env.reset(seed=0)  # a scripted episode: call the tool, read the word, say it
+    call = {"id": "c1", "function": {"name": "lookup_word", "arguments": '{"day": "Monday"}'}}
+    print(env.step({"role": "assistant", "content": "", "tool_calls": [call]})[0][0]["content"])
+    print(env.step(f"The word is {env.word}.")[1:])
