@@ -3,6 +3,7 @@
     areal-agent serve [--model M] [--port P] [--smoke]   the recording proxy + embedded engine
     areal-agent eval --env ID [--episodes N --k K ...]    evaluate an agent, write a report
     areal-agent train [--config FILE] [a.b=c ...]         asynchronous RL
+    areal-agent demos --env ID --n N --out FILE            demonstrations for a warm start
     areal-agent envs                                      registered environments
 
 Heavy imports (torch, transformers, envs) happen inside the commands, so ``--help`` is fast.
@@ -86,6 +87,14 @@ def _build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.set_defaults(func=_train)
+
+    dm = sub.add_parser("demos", help="write demonstrations of an env for a warm start (sft)")
+    dm.add_argument("--env", required=True, help="an env whose class offers demos()")
+    dm.add_argument("--n", type=int, default=160)
+    dm.add_argument("--seed", type=int, default=0)
+    dm.add_argument("--kind", default=None, help="env-specific (calculator: arithmetic|word|mixed)")
+    dm.add_argument("--out", required=True, help="JSONL file to write")
+    dm.set_defaults(func=_demos)
 
     envs = sub.add_parser("envs", help="list the registered environments")
     envs.set_defaults(func=_envs)
@@ -268,6 +277,26 @@ def _train(args: argparse.Namespace) -> int:
     keys = ("reward_mean", "success_rate", "staleness_mean", "train_tokens_per_s")
     print(" ".join(f"{k}={summary[k]:.3g}" for k in keys if k in summary))
     print(f"final model: {summary.get('final_model')}")
+    return 0
+
+
+def _demos(args: argparse.Namespace) -> int:
+    from envs.registry import make
+
+    env = make(args.env)
+    maker = getattr(env.unwrapped, "demos", None)
+    env.close()
+    if maker is None:
+        raise ConfigError(
+            f"{args.env} offers no demos(); write the JSONL yourself "
+            "(one list of chat messages per line)"
+        )
+    kwargs = {"kind": args.kind} if args.kind else {}
+    rows = maker(args.n, seed=args.seed, **kwargs)
+    with open(args.out, "w") as f:
+        for messages in rows:
+            f.write(json.dumps({"messages": messages}) + "\n")
+    print(f"wrote {len(rows)} demonstrations to {args.out}")
     return 0
 
 

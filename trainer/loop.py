@@ -254,6 +254,31 @@ class Trainer:
         self.make_env = lambda: make(cfg.env.id, **kwargs)
         self.seed_base = cfg.env.seed if cfg.env.seed is not None else cfg.train.seed * 100_000
 
+    def _warm_start(self) -> None:
+        """Supervised warm start on ``sft.demos`` (rendered with the env's tools)."""
+        from .sft import load_demos, run_sft
+
+        cfg = self.cfg
+        if cfg.sft.kind != "messages":
+            raise ConfigError("sft.kind=episodes is not supported yet; use sft.kind=messages")
+        env = self.make_env()
+        _, info = env.reset(seed=self.seed_base)
+        env.close()
+        stats = run_sft(
+            self.policy,
+            self.tokenizer,
+            load_demos(cfg.sft.demos or ""),
+            info.get("tools") or None,
+            epochs=cfg.sft.epochs,
+            lr=cfg.sft.lr,
+            micro_batch_tokens=cfg.train.micro_batch_tokens,
+            seed=cfg.train.seed,
+        )
+        self.policy.reset_optimizer(cfg.optim.lr)
+        (self.out / "sft.json").write_text(json.dumps(stats))
+        if not self.quiet:
+            print(f"warm start: {stats}", file=sys.stderr)
+
     # -- checkpoints --------------------------------------------------------------
     def _checkpoint(self) -> None:
         d = self.out / "checkpoints" / f"step-{self.state.step:06d}"
@@ -289,6 +314,8 @@ class Trainer:
             st = self.state
             if not self.quiet:
                 print(f"resumed from step {st.step}", file=sys.stderr)
+        elif cfg.sft.enabled:
+            await asyncio.to_thread(self._warm_start)
         version = st.step
         await self.engine.update_weights(self.policy.weight_update(version))
         B, G = cfg.rollout.batch_size, cfg.rollout.group_size

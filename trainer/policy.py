@@ -127,6 +127,13 @@ class Policy:
         # Shared with an inference engine in the same process (see EmbeddedEngine).
         self._compute = compute_lock or contextlib.nullcontext()
 
+    def reset_optimizer(self, lr: float) -> None:
+        """A fresh optimizer state (after a warm start, before RL)."""
+        group = self.optimizer.param_groups[0]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=lr, weight_decay=group["weight_decay"], betas=group["betas"]
+        )
+
     # ------------------------------------------------------------------ forward passes
     def _forward(self, packed: Packed) -> torch.Tensor:
         out = self.model(

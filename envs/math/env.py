@@ -291,6 +291,11 @@ class CalculatorEnv(_AnswerEnv):
 
     format_hint = "Reply with: The answer is <number>."
 
+    @staticmethod
+    def demos(n: int, seed: int = 0, kind: str = "mixed") -> list[list[Message]]:
+        """Correct conversations for a supervised warm start (see :func:`demos`)."""
+        return demos(n, seed=seed, kind=kind)  # type: ignore[arg-type]
+
     def __init__(
         self,
         *,

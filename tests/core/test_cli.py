@@ -117,3 +117,26 @@ def test_eval_on_the_default_model_writes_episodes_and_report(tmp_path):
     first = json.loads(rows[0])
     assert first["completions"] and first["completions"][0]["output_ids"]
     assert first["group_id"].startswith("task-")
+
+
+def test_demos_writes_chat_jsonl_for_the_warm_start(tmp_path):
+    import json
+
+    out = cli(
+        "demos",
+        "--env",
+        "areal/Calculator-v0",
+        "--n",
+        "3",
+        "--kind",
+        "word",
+        "--out",
+        str(tmp_path / "d.jsonl"),
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    roles = [m["role"] for m in rows[0]["messages"]]
+    assert roles[-3:] == ["assistant", "tool", "assistant"]
+    none = cli("demos", "--env", "areal/Search-v0", "--out", str(tmp_path / "x.jsonl"))
+    assert none.returncode == 2 and "offers no demos()" in none.stderr

@@ -1,0 +1,131 @@
+"""Supervised warm start: next-token loss on the assistant turns of demonstration chats.
+
+Choices made:
+
+* Demonstrations are rendered exactly as the proxy renders prompts during RL (the same chat
+  template, the same tool schemas from the environment), so the warm start teaches the very
+  token format the policy will be sampled in.
+* Loss on assistant turns only (their content or tool-call text and the end-of-turn token);
+  system, user and tool tokens are context. Token i of assistant turn k is trained when the
+  tokens rendered for turns < k followed by the generation prompt are a prefix of the whole
+  conversation; a turn whose prefix does not hold is skipped and counted.
+* The loss of a batch is the mean over its trained tokens:
+  ``L = -(1 / N) * sum_{i in assistant tokens} log p(x_i | x_<i)``, accumulated over packed
+  micro-batches with the same weight ``1 / N``.
+
+Left out: packing several demos per epoch order by length, learning-rate schedules.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areal_agents.chat import ChatTokenizer
+from areal_agents.errors import ConfigError
+
+from .policy import Policy
+
+
+def load_demos(path: str | Path) -> list[list[dict[str, Any]]]:
+    """JSONL: each line a list of messages, or an object with a ``messages`` list."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"sft.demos: no file {p}; write one with `areal-agent demos`")
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"{p}:{n}: not valid JSON: {exc}") from None
+        messages = row.get("messages") if isinstance(row, dict) else row
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError(f"{p}:{n}: expected a list of messages or {{'messages': [...]}}")
+        out.append(messages)
+    return out
+
+
+def sft_sample(
+    tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> tuple[list[int], list[int], int]:
+    """(token ids, loss mask, skipped assistant turns) of one demonstration."""
+    full = tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=False)
+    mask = [0] * len(full)
+    skipped = 0
+    eos = set(tokenizer.eos_token_ids)
+    for k, msg in enumerate(messages):
+        if msg.get("role") != "assistant":
+            continue
+        start = tokenizer.encode_chat(messages[:k], tools=tools, add_generation_prompt=True)
+        if full[: len(start)] != start:
+            skipped += 1
+            continue
+        # the turn's own tokens, up to and including its end-of-turn token
+        i = len(start)
+        while i < len(full):
+            mask[i] = 1
+            i += 1
+            if full[i - 1] in eos:
+                break
+    return full, mask, skipped
+
+
+def run_sft(
+    policy: Policy,
+    tokenizer: ChatTokenizer,
+    demos: Sequence[list[dict[str, Any]]],
+    tools: list[dict[str, Any]] | None,
+    *,
+    epochs: int = 1,
+    lr: float = 1e-4,
+    batch_size: int = 8,
+    micro_batch_tokens: int = 4096,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Train ``policy`` on ``demos``; returns the last batch's mean loss and counts."""
+    samples = [sft_sample(tokenizer, d, tools) for d in demos]
+    skipped = sum(s[2] for s in samples)
+    data = [(ids, mask) for ids, mask, _ in samples if sum(mask)]
+    if not data:
+        raise ConfigError("sft: no demonstration has an assistant turn to train on")
+    for group in policy.optimizer.param_groups:
+        group["lr"] = lr
+    rng = random.Random(seed)
+    last = 0.0
+    steps = 0
+    for _ in range(epochs):
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        for b in range(0, len(order), batch_size):
+            batch = [data[i] for i in order[b : b + batch_size]]
+            seqs = [ids for ids, _ in batch]
+            masks = [torch.tensor(m[1:], dtype=torch.float32) for _, m in batch]
+            total = float(sum(m.sum() for m in masks))
+
+            def loss_fn(
+                items: list[int],
+                logps: list[torch.Tensor],
+                ents: list[torch.Tensor],
+                masks: list[torch.Tensor] = masks,
+                total: float = total,
+            ) -> tuple[torch.Tensor, dict[str, float]]:
+                terms = [(lp * masks[i]).sum() for i, lp in zip(items, logps, strict=True)]
+                loss = -torch.stack(terms).sum() / total
+                return loss, {"nll": float(loss)}
+
+            stats = policy.train_step(seqs, loss_fn, 1.0, micro_batch_tokens)
+            last = stats["nll"]
+            steps += 1
+    return {
+        "sft_nll": last,
+        "sft_steps": float(steps),
+        "sft_skipped_turns": float(skipped),
+        "sft_demos": float(len(data)),
+    }
