@@ -37,7 +37,7 @@ from .session import Session
 from .trajectory import Episode
 
 EnvFactory = Callable[[], Any]
-_API_REASONS = {"context_length_exceeded": "context_overflow", "backend_error": "backend_error"}
+_API_REASONS = {"context_length_exceeded": "context_overflow"}
 # Env calls may block (sandboxed tools, user simulators): they run on this pool, sized for
 # I/O-bound steps, so that slow steps of some episodes never hold up the others.
 _ENV_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="areal-env")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import secrets
 import time
 import uuid
@@ -61,10 +60,7 @@ class SessionStore:
             ) from None
 
     def by_key(self, api_key: str) -> Session | None:
-        session = self._by_key.get(api_key)
-        if session is not None and hmac.compare_digest(session.api_key, api_key):
-            return session
-        return None
+        return self._by_key.get(api_key)
 
     def remove(self, session_id: str) -> Session:
         session = self.get(session_id)

@@ -247,10 +247,10 @@ class Trainer:
             sampling=sampling,
         )
         kwargs = dict(cfg.env.kwargs)
-        env_cls = make(cfg.env.id, **kwargs)
-        if "split" in inspect.signature(type(env_cls).__init__).parameters:
+        probe = make(cfg.env.id, **kwargs)
+        if "split" in inspect.signature(type(probe.unwrapped).__init__).parameters:
             kwargs.setdefault("split", cfg.env.split)
-        env_cls.close()
+        probe.close()
         self.make_env = lambda: make(cfg.env.id, **kwargs)
         self.seed_base = cfg.env.seed if cfg.env.seed is not None else cfg.train.seed * 100_000
 

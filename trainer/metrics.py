@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 class MetricsWriter:
     def __init__(
@@ -55,7 +57,7 @@ class MetricsWriter:
                 self._tb.add_scalar(k, v, step)
             for k, values in (histograms or {}).items():
                 if values:
-                    self._tb.add_histogram(k, __import__("numpy").asarray(values), step)
+                    self._tb.add_histogram(k, np.asarray(values), step)
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)

@@ -222,18 +222,12 @@ class Policy:
         torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
 
     def load(self, directory: str | Path) -> None:
+        from areal_agents.weights import apply_weight_update
+
         d = Path(directory)
-        if self.is_lora:
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            set_peft_model_state_dict(
-                self.model, load_file(str(d / "model" / "adapter_model.safetensors"))
-            )
-        else:
-            from areal_agents.weights import read_state_dict
-
-            self.model.load_state_dict(read_state_dict(d / "model"), strict=False)
+        path = str(d / "model")
+        update = WeightUpdate(kind="lora", path=path) if self.is_lora else WeightUpdate(path=path)
+        apply_weight_update(self.model, update)
         self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=False))
 
     def export(
