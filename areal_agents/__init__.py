@@ -41,10 +41,13 @@ from .errors import (
 from .fake_engine import FakeEngine
 from .model import DEFAULT_MODEL, resolve_model
 from .proxy import Proxy
+from .router import RoutedEngine
 from .server import ProxyServer
 from .session import Session, SessionStore
+from .sglang_engine import SGLangEngine
 from .toolcall import ParsedOutput, parse_tool_calls
 from .trajectory import Completion, Episode, TrainingSample
+from .vllm_engine import VLLMEngine
 
 if TYPE_CHECKING:
     from .embedded import EmbeddedEngine
@@ -96,6 +99,8 @@ __all__ = [
     "Proxy",
     "ProxyServer",
     "RolloutError",
+    "RoutedEngine",
+    "SGLangEngine",
     "SamplingParams",
     "Session",
     "SessionError",
@@ -104,6 +109,7 @@ __all__ = [
     "ToolError",
     "TrainingSample",
     "UserError",
+    "VLLMEngine",
     "WeightUpdate",
     "make",
     "parse_tool_calls",

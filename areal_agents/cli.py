@@ -1,7 +1,9 @@
 """The ``areal-agent`` command line.
 
     areal-agent serve [--model M] [--port P] [--smoke]   the recording proxy + embedded engine
+    ... [--backend vllm|sglang [--engine-url URL ...]]    a vLLM / SGLang server (started or given)
     areal-agent eval --env ID [--episodes N --k K ...]    evaluate an agent, write a report
+    ... [--ray [--ray-address HOST:PORT]]                 engines and rollouts on a Ray cluster
     areal-agent train [--config FILE] [a.b=c ...]         asynchronous RL
     areal-agent demos --env ID --n N --out FILE            demonstrations for a warm start
     areal-agent envs                                      registered environments
@@ -13,12 +15,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
+from .backend import add_backend_args
 from .errors import ArealError, ConfigError
+
+_ADAPTER_HELP = (
+    "a LoRA adapter directory to apply on top of --model (e.g. a training checkpoint's "
+    "model/ directory)"
+)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -34,6 +44,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HF model directory or hub id (default: SmolLM2-135M-Instruct, offline)",
     )
+    serve.add_argument("--adapter", default=None, help=_ADAPTER_HELP)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -53,6 +64,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="start, answer one chat completion through the openai client, print "
         "the recorded trajectory, and exit",
     )
+    _add_ray_args(serve, workers=False)
+    add_backend_args(serve)
     serve.set_defaults(func=_serve)
 
     ev = sub.add_parser("eval", help="evaluate an agent on an environment")
@@ -67,6 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--model", default=None, help="HF directory or hub id (default model if omitted)"
     )
+    ev.add_argument("--adapter", default=None, help=_ADAPTER_HELP)
     ev.add_argument("--episodes", type=int, default=16, help="total episodes (tasks x k)")
     ev.add_argument("--k", type=int, default=1, help="samples per task, for pass@k and pass^k")
     ev.add_argument("--concurrency", type=int, default=64)
@@ -78,6 +92,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ev.add_argument("--device", default=None)
     ev.add_argument("--out", default=None, help="write episodes.jsonl and report.json here")
+    _add_ray_args(ev, workers=True)
+    add_backend_args(ev)
     ev.set_defaults(func=_eval, max_batch_size=64, admin_key=None)
 
     tr = sub.add_parser("train", help="asynchronous RL on an environment")
@@ -101,6 +117,45 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_ray_args(parser: argparse.ArgumentParser, *, workers: bool) -> None:
+    where = "the engine and the rollout workers" if workers else "the engine"
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help=f"run {where} as Ray actors on a Ray cluster (pip install 'areal-agents[ray]')",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="the cluster to join (implies --ray): HOST:PORT or auto (default: $RAY_ADDRESS, "
+        "else a cluster started with `ray start` on this machine, else a new local one)",
+    )
+    parser.add_argument("--ray-engines", type=int, default=1, help="engine replicas (Ray)")
+    if workers:
+        parser.add_argument(
+            "--ray-workers",
+            type=int,
+            default=None,
+            help="rollout worker actors (Ray; default: one per node, at least 2)",
+        )
+
+
+def _uses_ray(args: argparse.Namespace) -> bool:
+    """Whether the command runs on Ray; fails now, naming the install, when Ray is missing."""
+    if not (getattr(args, "ray", False) or getattr(args, "ray_address", None)):
+        return False
+    if args.ray_engines < 1 or (getattr(args, "ray_workers", None) or 1) < 1:
+        raise ConfigError("--ray-engines and --ray-workers must be >= 1")
+    if getattr(args, "backend", "embedded") != "embedded":
+        raise ConfigError(
+            f"--ray runs embedded engines as Ray actors; --backend {args.backend} uses a server "
+            "that is its own engine: drop --ray, or drop --backend"
+        )
+    from . import cluster  # noqa: F401  (raises RayNotInstalled with the pip command)
+
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
@@ -114,32 +169,63 @@ def main(argv: list[str] | None = None) -> int:
 
 def _load_proxy(args: argparse.Namespace) -> Any:
     from .chat import ChatTokenizer
-    from .embedded import EmbeddedEngine
     from .model import resolve_model
     from .proxy import Proxy
 
+    if args.backend != "embedded":  # a vLLM / SGLang server (see areal_agents.backend)
+        from .backend import load_server_engine
+
+        engine, tokenizer = load_server_engine(args)
+        return Proxy(engine, tokenizer, admin_key=args.admin_key)
+    if args.engine_url:
+        raise ConfigError("--engine-url needs --backend vllm or --backend sglang")
     path = resolve_model(args.model)
-    print(f"loading {path} ...", file=sys.stderr)
-    engine = EmbeddedEngine.from_pretrained(
-        path, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size
-    )
     tokenizer = ChatTokenizer.from_dir(path)
-    engine._decode = tokenizer.decode
+    if _uses_ray(args):
+        engine = _ray_engine(args, path)
+    else:
+        from .embedded import EmbeddedEngine
+
+        print(f"loading {path} ...", file=sys.stderr)
+        engine = EmbeddedEngine.from_pretrained(
+            path,
+            dtype=args.dtype,
+            device=args.device,
+            adapter=args.adapter,
+            max_batch_size=args.max_batch_size,
+        )
+        engine._decode = tokenizer.decode
     return Proxy(engine, tokenizer, admin_key=args.admin_key)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    proxy = _load_proxy(args)
-    if args.smoke:
-        return _smoke(proxy, args.host)
-    from .server import serve_forever
+def _ray_engine(args: argparse.Namespace, path: str) -> Any:
+    """Engine actors on the Ray cluster, each loading the model on its own node."""
+    from .cluster import EmbeddedSpec, RayEngine
 
-    print(
-        f"areal-agent proxy on http://{args.host}:{args.port}/v1  "
-        f"(POST /sessions for a session key)",
-        file=sys.stderr,
+    spec = EmbeddedSpec(
+        model=None if args.model is None else path,
+        dtype=args.dtype,
+        device=args.device,
+        adapter=args.adapter,
+        max_batch_size=args.max_batch_size,
     )
-    serve_forever(proxy, args.host, args.port)
+    print(f"starting {args.ray_engines} engine actor(s) for {path} on Ray ...", file=sys.stderr)
+    return RayEngine.start(spec, replicas=args.ray_engines)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    with _ray_session(args):
+        proxy = _load_proxy(args)
+        if args.smoke:
+            return _smoke(proxy, args.host)
+        from .server import serve_forever
+
+        print(
+            f"areal-agent proxy on http://{args.host}:{args.port}/v1  "
+            f"(POST /sessions for a session key)",
+            file=sys.stderr,
+        )
+        serve_forever(proxy, args.host, args.port)
     return 0
 
 
@@ -191,47 +277,41 @@ def _smoke(proxy: Any, host: str) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    import functools
+
     from tqdm import tqdm
 
     from envs.registry import make
 
     from .evaluate import evaluate, write_outputs
-    from .runner import Runner
-    from .server import ProxyServer
 
+    use_ray = _uses_ray(args)
     try:
         env_kwargs = json.loads(args.env_kwargs)
     except ValueError as exc:
         raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
     make(args.env, **env_kwargs).close()  # unknown ids and bad kwargs fail before the model loads
     agent = _load_agent(args.agent) if args.agent else None
-    proxy = _load_proxy(args)
     sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
-    bar = tqdm(
-        total=args.episodes // args.k * args.k, desc=f"eval {args.env}", unit="ep", file=sys.stderr
-    )
-    done = {"ok": 0}
-
-    def progress(res: Any) -> None:
-        done["ok"] += bool(res.success)
-        bar.update()
-        bar.set_postfix(success=f"{done['ok'] / bar.n:.0%}")
-
-    with ProxyServer.start(proxy) as server:
-        runner = Runner(
-            proxy,
-            base_url=server.base_url,
-            concurrency=args.concurrency,
-            max_turns=args.max_turns,
-            episode_timeout_s=args.timeout,
-            sampling=sampling,
+    with _ray_session(args), _eval_runner(args, sampling) as (runner, close):
+        bar = tqdm(
+            total=args.episodes // args.k * args.k,
+            desc=f"eval {args.env}",
+            unit="ep",
+            file=sys.stderr,
         )
+        done = {"ok": 0}
+
+        def progress(res: Any) -> None:
+            done["ok"] += bool(res.success)
+            bar.update()
+            bar.set_postfix(success=f"{done['ok'] / bar.n:.0%}")
 
         async def run() -> Any:
             try:
                 return await evaluate(
                     runner,
-                    lambda: make(args.env, **env_kwargs),
+                    functools.partial(make, args.env, **env_kwargs),
                     env_id=args.env,
                     episodes=args.episodes,
                     k=args.k,
@@ -240,15 +320,61 @@ def _eval(args: argparse.Namespace) -> int:
                     progress=progress,
                 )
             finally:
-                await proxy.engine.close()
+                await close()
 
         report, groups = asyncio.run(run())
-    bar.close()
-    print(report.table())
+        bar.close()
+        print(report.table())
+        if use_ray:
+            print("ray: " + ", ".join(f"{k} {v}" for k, v in runner.stats().items()))
     if args.out:
         out = write_outputs(args.out, report, groups)
         print(f"wrote {out / 'episodes.jsonl'} and {out / 'report.json'}")
     return 0
+
+
+@contextlib.contextmanager
+def _eval_runner(args: argparse.Namespace, sampling: dict[str, Any]) -> Iterator[Any]:
+    """(runner, async close) for ``eval``: a local Runner behind a proxy server, or a RayRunner
+    whose workers each hold their own proxy."""
+    settings = {
+        "concurrency": args.concurrency,
+        "max_turns": args.max_turns,
+        "episode_timeout_s": args.timeout,
+        "sampling": sampling,
+    }
+    if _uses_ray(args):
+        from .model import resolve_model
+        from .ray_runner import RayRunner
+
+        path = resolve_model(args.model)
+        engine = _ray_engine(args, path)
+        runner = RayRunner(engine, path, workers=args.ray_workers, **settings)
+
+        async def close() -> None:
+            await runner.close()
+            await engine.close()
+
+        yield runner, close
+        return
+    from .runner import Runner
+    from .server import ProxyServer
+
+    proxy = _load_proxy(args)
+    with ProxyServer.start(proxy) as server:
+        yield Runner(proxy, base_url=server.base_url, **settings), proxy.engine.close
+
+
+@contextlib.contextmanager
+def _ray_session(args: argparse.Namespace) -> Iterator[None]:
+    """Joined to the Ray cluster for the command (when it uses Ray); leaves it afterwards."""
+    if not _uses_ray(args):
+        yield
+        return
+    from .cluster import attached
+
+    with attached(args.ray_address):
+        yield
 
 
 def _load_agent(spec: str) -> Any:
@@ -293,6 +419,9 @@ def _demos(args: argparse.Namespace) -> int:
         )
     kwargs = {"kind": args.kind} if args.kind else {}
     rows = maker(args.n, seed=args.seed, **kwargs)
+    from pathlib import Path
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         for messages in rows:
             f.write(json.dumps({"messages": messages}) + "\n")

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from .engine import GenerateResult, SamplingParams, WeightUpdate
-from .errors import BackendError, ContextOverflow
+from .errors import BackendError, ContextOverflow, UserError
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ class EmbeddedEngine:
         self.max_batch_size = max_batch_size
         cfg_ctx = getattr(model.config, "max_position_embeddings", None)
         self.max_context = int(max_context or cfg_ctx or 4096)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self._version = version
         self._device = next(model.parameters()).device
         self._cache_kwarg = _cache_kwarg(model)
@@ -145,11 +146,14 @@ class EmbeddedEngine:
         *,
         dtype: str = "auto",
         device: str | None = None,
+        adapter: str | Path | None = None,
         **kwargs: Any,
     ) -> EmbeddedEngine:
         """Load a HF model directory (or hub id) and serve it.
 
         ``dtype``: "float32", "bfloat16", "float16" or "auto" (bfloat16 on CPU and on CUDA).
+        ``adapter``: a saved peft LoRA adapter directory (``adapter_config.json`` and its
+        weights, e.g. ``model/`` of a training checkpoint) applied on top of the model.
         """
         from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -157,6 +161,16 @@ class EmbeddedEngine:
         torch_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
         model = model.to(device)  # type: ignore[arg-type]
+        if adapter is not None:
+            from .weights import apply_weight_update
+
+            if not (Path(adapter) / "adapter_config.json").exists():
+                raise UserError(
+                    f"--adapter {adapter}: no adapter_config.json there; pass a directory "
+                    "saved by peft (a training checkpoint's model/ directory)"
+                )
+            model = apply_weight_update(model, WeightUpdate(kind="lora", path=str(adapter)))
+            model.eval()
         eos: list[int] = []
         try:
             gen = GenerationConfig.from_pretrained(str(path))
@@ -175,8 +189,13 @@ class EmbeddedEngine:
     def version(self) -> int:
         return self._version
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerateResult:
-        """Generate from ``prompt_ids``; see the module docstring for the semantics."""
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, route_key: str | None = None
+    ) -> GenerateResult:
+        """Generate from ``prompt_ids``; see the module docstring for the semantics.
+
+        ``route_key`` is accepted for the :class:`~areal_agents.engine.Engine` protocol and
+        ignored (one replica)."""
         if self._closed:
             raise BackendError("the engine is closed")
         if self._error is not None:
@@ -184,6 +203,11 @@ class EmbeddedEngine:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids must not be empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:  # an embedding lookup out of range would kill the worker
+            raise ValueError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
         if len(prompt) >= self.max_context:
             raise ContextOverflow(
                 f"the prompt has {len(prompt)} tokens but the model's context is "
@@ -208,9 +232,16 @@ class EmbeddedEngine:
     async def resume(self) -> None:
         await self._command("resume", None)
 
+    async def abort_all(self) -> int:
+        """Finish every waiting and active request now with finish reason "abort", keeping
+        the tokens generated so far; returns how many were aborted."""
+        return int(await self._command("abort", None))
+
     async def health(self) -> dict[str, Any]:
         return {
-            "status": "error" if self._error else ("paused" if self._paused else "ok"),
+            "status": "closed"
+            if self._closed
+            else ("error" if self._error else ("paused" if self._paused else "ok")),
             "backend": "embedded",
             "model": self.model_name,
             "version": self._version,
@@ -283,11 +314,21 @@ class EmbeddedEngine:
                     self._paused, value = True, None
                 elif name == "resume":
                     self._paused, value = False, None
+                elif name == "abort":
+                    value = self._abort_all()
                 else:
                     value = self._apply_update(arg)
                 loop.call_soon_threadsafe(_set_result, fut, value)
             except Exception as exc:
                 loop.call_soon_threadsafe(_set_exception, fut, exc)
+
+    def _abort_all(self) -> int:
+        self._drain_inbox()
+        aborted = self._active + self._waiting
+        self._active, self._waiting, self._cache, self._mask = [], [], None, None
+        for req in aborted:
+            req.finish("abort")
+        return len(aborted)
 
     def _apply_update(self, update: WeightUpdate) -> int:
         from .weights import apply_weight_update

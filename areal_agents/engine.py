@@ -105,7 +105,14 @@ class WeightUpdate:
 @runtime_checkable
 class Engine(Protocol):
     """What every inference backend provides. All methods are coroutine functions and safe
-    to call from the proxy's event loop (they never block it)."""
+    to call from the proxy's event loop (they never block it).
+
+    ``generate`` may take a keyword-only ``route_key`` (the proxy passes the session id):
+    an engine with several replicas sends every call with the same key to the same replica,
+    so a session's growing prompt keeps hitting that replica's prefix cache. Engines with
+    one replica accept and ignore it. The proxy passes it only to engines whose ``generate``
+    accepts it (see :func:`accepts_route_key`), so engines written without it keep working.
+    """
 
     model_name: str
 
@@ -125,3 +132,14 @@ class Engine(Protocol):
     async def health(self) -> dict[str, Any]: ...
 
     async def close(self) -> None: ...
+
+
+def accepts_route_key(engine: Any) -> bool:
+    """Whether ``engine.generate`` takes the ``route_key`` keyword (or ``**kwargs``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(engine.generate).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "route_key" or p.kind is p.VAR_KEYWORD for p in params)

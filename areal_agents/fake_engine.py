@@ -43,7 +43,9 @@ class FakeEngine:
     def version(self) -> int:
         return self._version
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, route_key: str | None = None
+    ) -> GenerateResult:
         start = time.perf_counter()
         await self._paused.wait()
         if self._delay_s:

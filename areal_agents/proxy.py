@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from .chat import ChatTokenizer
-from .engine import Engine, GenerateResult, SamplingParams
+from .engine import Engine, GenerateResult, SamplingParams, accepts_route_key
 from .errors import ArealError, BackendError, ContextOverflow, SessionError
 from .schemas import ChatCompletionRequest, EndIn, RewardIn, SessionCreate
 from .session import Session, SessionStore
@@ -112,6 +112,7 @@ class Proxy:
         context = getattr(engine, "max_context", None) or tokenizer.model_max_length or 32768
         self.max_context = int(context)
         self.sessions = SessionStore()
+        self._routes = accepts_route_key(engine)
         self.counters: Counter[str] = Counter()
         self.app = self._build_app()
 
@@ -369,16 +370,21 @@ class Proxy:
         self, session: Session | None, prompt_ids: list[int], params: SamplingParams, n: int
     ) -> list[GenerateResult]:
         seeds = [None if params.seed is None else params.seed + i for i in range(n)]
+        # Several replicas: a session's calls go to one replica (its prefix cache).
+        route = {"route_key": session.id} if session is not None and self._routes else {}
         try:
             return list(
                 await asyncio.gather(
-                    *[self.engine.generate(prompt_ids, params.replace(seed=s)) for s in seeds]
+                    *[
+                        self.engine.generate(prompt_ids, params.replace(seed=s), **route)
+                        for s in seeds
+                    ]
                 )
             )
         except ContextOverflow as exc:
             self.counters["context_overflow"] += 1
             raise ApiError(400, str(exc), code="context_length_exceeded") from None
-        except (BackendError, OSError, RuntimeError) as exc:
+        except (BackendError, OSError, RuntimeError, ValueError) as exc:  # engine refused
             self.counters["backend_error"] += 1
             if session is not None:
                 session.episode.errors.append({"kind": "backend_error", "message": str(exc)})

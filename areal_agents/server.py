@@ -4,6 +4,7 @@ the foreground (``areal-agent serve``)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import threading
 import time
@@ -83,7 +84,16 @@ def serve_forever(proxy: Proxy, host: str, port: int) -> None:
     proxy.public_url = proxy.public_url or f"http://{host}:{port}"
     config = uvicorn.Config(proxy.app, host=host, port=port, log_level="info", access_log=False)
     server = uvicorn.Server(config)
+    # uvicorn shuts down on SIGTERM and then raises the signal again; as SystemExit (not
+    # the default action, which ends the process at once) it reaches the ``finally`` below,
+    # so an engine that started a server process (vLLM, SGLang) stops it.
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         asyncio.run(server.serve())
     finally:
+        signal.signal(signal.SIGTERM, previous)
         asyncio.run(proxy.engine.close())
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)

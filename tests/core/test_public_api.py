@@ -30,7 +30,9 @@ def _modules_after(code: str) -> set[str]:
 
 def test_proxy_envs_and_tools_never_import_torch():
     loaded = _modules_after(
-        "import areal_agents, areal_agents.proxy, areal_agents.server, envs, tools, envs.registry"
+        "import areal_agents, areal_agents.proxy, areal_agents.server, envs, tools, envs.registry,"
+        " areal_agents.vllm_engine, areal_agents.sglang_engine, areal_agents.router,"
+        " areal_agents.backend, areal_agents.fake_sglang, areal_agents.cli"
     )
     assert "torch" not in loaded
     assert "transformers" not in loaded

@@ -1,0 +1,163 @@
+"""The fake SGLang server speaks SGLang's native API: shapes, errors, pause, weights."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from areal_agents.fake_sglang import FakeSGLang
+
+
+@pytest.fixture(scope="module")
+def fake(tiny_model_dir: Path) -> FakeSGLang:
+    return FakeSGLang(str(tiny_model_dir), served_model_name="tiny", context_length=64)
+
+
+@pytest.fixture
+async def http(fake: FakeSGLang) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=fake.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sglang") as client:
+        yield client
+
+
+async def test_generate_answers_in_sglangs_shape(http: httpx.AsyncClient) -> None:
+    body = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 5, "stop_token_ids": []},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "rid": "req-1",
+    }
+    r = await http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta = out["meta_info"]
+    assert set(out) == {"text", "output_ids", "meta_info"} and len(out["output_ids"]) == 5
+    assert meta["id"] == "req-1" and meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 5
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["weight_version"] == "default"
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(e[2] is None and e[0] < 0 for e in meta["output_token_logprobs"])
+    assert [len(p) for p in meta["output_top_logprobs"]] == [2] * 5
+    stop = out["output_ids"][1]
+    stopping = {"temperature": 0, "max_new_tokens": 5, "stop_token_ids": [stop]}
+    r = await http.post("/generate", json={**body, "sampling_params": stopping})
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": stop}
+    assert "output_token_logprobs" in meta
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided."),
+        ({"input_ids": [1], "text": "a"}, "Only one of text, input_ids or input_embeds"),
+        (
+            {"input_ids": [1], "sampling_params": {"temperature": -1, "max_new_tokens": 4}},
+            "temperature must be a non-negative finite number, got -1.0.",
+        ),
+        (
+            {"input_ids": [1], "sampling_params": {"top_p": 0, "max_new_tokens": 4}},
+            "top_p must be in (0, 1], got 0.0.",
+        ),
+        (
+            {"input_ids": [1], "sampling_params": {"top_k": 0, "max_new_tokens": 4}},
+            "top_k must be -1 (disable) or at least 1, got 0.",
+        ),
+        ({"input_ids": list(range(64))}, "The input (64 tokens) is longer than the model's"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 62}},
+            "Requested token count exceeds the model's maximum context length of 64 tokens. "
+            "You requested a total of 64 tokens: 2 tokens from the input messages and 62",
+        ),
+        (
+            {"input_ids": [1], "lora_path": "nope", "sampling_params": {"max_new_tokens": 4}},
+            "requested LoRA adapters are not loaded: nope",
+        ),
+        ({"input_ids": [1, 10**9]}, "contains values greater than the vocab size"),
+    ],
+)
+async def test_malformed_requests_get_sglangs_400(
+    http: httpx.AsyncClient, body: dict[str, Any], message: str
+) -> None:
+    r = await http.post("/generate", json=body)
+    assert r.status_code == 400
+    assert message in r.json()["error"]["message"]
+
+
+async def test_a_body_of_the_wrong_type_is_a_validation_error(http: httpx.AsyncClient) -> None:
+    r = await http.post("/generate", json={"input_ids": "not a list"})
+    assert r.status_code == 400
+    assert r.json()["object"] == "error" and r.json()["code"] == 400
+
+
+async def test_pause_in_abort_mode_returns_requests_in_flight(
+    http: httpx.AsyncClient, fake: FakeSGLang
+) -> None:
+    body = {"input_ids": [1, 2], "sampling_params": {"temperature": 0, "max_new_tokens": 60}}
+    running = asyncio.create_task(http.post("/generate", json=body))
+    while fake._in_flight == 0:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    r = await http.post("/pause_generation", json={"mode": "abort"})
+    assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
+    out = (await running).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < 60
+    held = asyncio.create_task(http.post("/generate", json={**body, "input_ids": [3]}))
+    await asyncio.sleep(0.3)
+    assert not held.done()  # new requests wait while paused
+    await http.post("/continue_generation", json={})
+    assert len((await held).json()["output_ids"]) == 60
+    r = await http.post("/pause_generation", json={"mode": "sideways"})
+    assert r.status_code == 400 and "Invalid mode" in r.json()["error"]["message"]
+
+
+async def test_weights_and_adapters(http: httpx.AsyncClient, tiny_model_dir: Path) -> None:
+    r = await http.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    r = await http.post(
+        "/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": "7"}
+    )
+    assert r.json()["success"] is True
+    assert (await http.get("/get_model_info")).json()["weight_version"] == "7"
+    r = await http.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nonexistent"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    r = await http.post("/unload_lora_adapter", json={"lora_name": "a"})
+    assert r.status_code == 400
+    card = (await http.get("/v1/models")).json()["data"][0]
+    assert card["id"] == "tiny" and card["max_model_len"] == 64
+    assert (await http.get("/health")).status_code == 200
+
+
+def test_sglang_engine_launches_a_server_and_stops_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SGLangEngine.launch with SGLang's flags, here running the fake server's module."""
+    import sys
+
+    from areal_agents.engine import SamplingParams
+    from areal_agents.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine.launch(
+        str(tiny_model_dir),
+        python=sys.executable,
+        server_module="areal_agents.fake_sglang",
+        dtype="float32",
+        log_path=str(tmp_path / "sglang.log"),
+        start_timeout_s=180,
+    )
+    assert engine.server is not None and engine.model_name == tiny_model_dir.name
+
+    async def run() -> Any:
+        try:
+            return await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+        finally:
+            await engine.close()
+
+    res = asyncio.run(run())
+    assert len(res.output_ids) == 3 and res.output_versions == [0, 0, 0]
+    assert not engine.server.running

@@ -1,0 +1,117 @@
+"""The server-independent parts of the remote engines: the logprob check, stop strings
+across an interruption, and SGLang's documented response shapes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from areal_agents.engine import GenerateResult, SamplingParams
+from areal_agents.errors import BackendError, UserError
+from areal_agents.remote import RemoteEngine, Segment, _cut_at_stop_string, int_label
+from areal_agents.sglang_engine import _segment as sglang_segment
+
+
+class Scripted(RemoteEngine):
+    """A remote engine whose 'server' reports the logprob of the best token as ``report``."""
+
+    def __init__(self, report: Any) -> None:
+        super().__init__("http://unused", model_name="m", max_context=100)
+        self.report = report
+
+    async def _submit(self, prompt: list[int], params: SamplingParams, n: int) -> Segment:
+        value = self.report(params.temperature)
+        return Segment([5], [value], [None], "length", top=[[(5, value)]])
+
+
+def _best_logprob(temperature: float) -> float:
+    """log_softmax(logits / T) of the best of three logits."""
+    logits = [2.0, 1.0, 0.0]
+    return logits[0] / temperature - math.log(sum(math.exp(x / temperature) for x in logits))
+
+
+async def test_the_logprob_check_accepts_temperature_scaled_logprobs() -> None:
+    await Scripted(_best_logprob).check_logprob_convention("fix")
+
+
+@pytest.mark.parametrize(
+    ("report", "kind"),
+    [
+        (lambda t: _best_logprob(1.0), "ignore the temperature"),
+        (lambda t: 2.0 / t, "logits, not logprobs"),
+        (lambda t: -2.0 / t, "logits, not logprobs"),
+    ],
+)
+async def test_the_logprob_check_refuses_other_quantities(report: Any, kind: str) -> None:
+    with pytest.raises(UserError, match=f"{kind}; start it right"):
+        await Scripted(report).check_logprob_convention("start it right")
+
+
+def _result(ids: list[int]) -> GenerateResult:
+    n = len(ids)
+    return GenerateResult(ids, [-1.0] * n, [0] * (n // 2) + [1] * (n - n // 2), "length")
+
+
+def test_a_stop_string_across_an_interruption_cuts_the_output() -> None:
+    decode = "".join  # token ids are characters here
+    res = _result(list("abcSTOPdef"))  # type: ignore[arg-type]
+    _cut_at_stop_string(res, ["STOP", "zz"], decode)  # type: ignore[arg-type]
+    assert "".join(res.output_ids) == "abcSTOP"  # type: ignore[arg-type]
+    assert res.finish_reason == "stop" and res.stop_reason == "STOP"
+    assert len(res.output_logprobs) == len(res.output_versions) == 7
+    untouched = _result(list("abcdef"))  # type: ignore[arg-type]
+    _cut_at_stop_string(untouched, ["STOP"], decode)  # type: ignore[arg-type]
+    assert untouched.finish_reason == "length" and len(untouched.output_ids) == 6
+
+
+def test_version_labels() -> None:
+    assert int_label("12") == 12 and int_label(3) == 3
+    assert int_label("default") is None and int_label(None) is None
+
+
+SGLANG_STOP = {
+    "text": "Paris",
+    "output_ids": [12095, 151645],
+    "meta_info": {
+        "id": "r1",
+        "finish_reason": {"type": "stop", "matched": 151645},
+        "prompt_tokens": 9,
+        "weight_version": "4",
+        "completion_tokens": 2,
+        "cached_tokens": 0,
+        "output_token_logprobs": [[-0.25, 12095, None], [-0.5, 151645, None]],
+        "output_top_logprobs": [[[-0.25, 12095, None]], [[-0.5, 151645, None]]],
+    },
+}
+
+
+def test_sglang_answers_are_read_as_documented() -> None:
+    seg = sglang_segment(SGLANG_STOP)
+    assert seg.ids == [12095, 151645] and seg.logprobs == [-0.25, -0.5]
+    assert seg.finish == "stop" and seg.stop_reason == 151645
+    assert seg.versions == [4, 4] and seg.top == [[(12095, -0.25)], [(151645, -0.5)]]
+    length = {
+        **SGLANG_STOP,
+        "meta_info": {**SGLANG_STOP["meta_info"], "finish_reason": {"type": "length", "length": 2}},
+    }
+    assert sglang_segment(length).finish == "length" and sglang_segment(length).stop_reason is None
+
+
+def test_sglang_errors_are_named() -> None:
+    meta = SGLANG_STOP["meta_info"]
+    rejected = {
+        **SGLANG_STOP,
+        "meta_info": {
+            **meta,
+            "finish_reason": {"type": "abort", "message": "bad input", "status_code": 400},
+        },
+    }
+    with pytest.raises(ValueError, match="rejected the request: bad input"):
+        sglang_segment(rejected)
+    mismatch = {**SGLANG_STOP, "output_ids": [1, 2]}
+    with pytest.raises(BackendError, match="do not match"):
+        sglang_segment(mismatch)
+    with pytest.raises(BackendError, match="unexpected SGLang response"):
+        sglang_segment({"text": "x"})
