@@ -1,9 +1,10 @@
 """RL training: advantages, the one policy loss, and the algorithms that configure it.
 
 ``trainer.advantage`` turns returns into advantages (group baselines over episodes, GAE,
-loss weights, DAPO's helpers), ``trainer.loss`` holds the decoupled PPO objective and
-logprob helpers, ``trainer.algorithms`` names the family (GRPO, Dr.GRPO, LitePPO, RLOO,
-GSPO, DAPO, PPO, REINFORCE++, SAPO, M2PO) as configurations of both::
+loss weights, DAPO's helpers), ``trainer.loss`` holds the decoupled PPO objective, the value
+loss and logprob helpers, ``trainer.critic`` PPO's value model, ``trainer.algorithms`` names
+the family (GRPO, Dr.GRPO, LitePPO, RLOO, GSPO, DAPO, PPO, REINFORCE++, SAPO, M2PO) as
+configurations of them::
 
     from trainer import get_algorithm, completion_returns
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
         gae,
         group_advantages,
         overlong_penalty,
+        tree_gae,
+        whiten,
     )
     from .algorithms import (
         ALGORITHMS,
@@ -40,10 +43,12 @@ if TYPE_CHECKING:
         check_async_correction,
         get_algorithm,
     )
+    from .critic import Critic, gae_inputs
     from .loss import (
         aggregate,
         approx_proximal_logp,
         entropy_from_logits,
+        explained_variance,
         logprobs_from_logits,
         m2po_mask,
         policy_loss,
@@ -55,6 +60,7 @@ __all__ = [
     "AdvantageSpec",
     "AlgorithmSpec",
     "CompletionReturns",
+    "Critic",
     "LossSpec",
     "OverlongSpec",
     "aggregate",
@@ -64,21 +70,25 @@ __all__ = [
     "completion_weights",
     "entropy_from_logits",
     "expand_to_tokens",
+    "explained_variance",
     "filter_uniform_groups",
     "gae",
+    "gae_inputs",
     "get_algorithm",
     "group_advantages",
     "logprobs_from_logits",
     "m2po_mask",
     "overlong_penalty",
     "policy_loss",
+    "tree_gae",
     "value_loss",
+    "whiten",
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        for module in ("advantage", "loss", "algorithms"):
+        for module in ("advantage", "loss", "algorithms", "critic"):
             mod = importlib.import_module(f".{module}", __name__)
             if hasattr(mod, name):
                 return getattr(mod, name)

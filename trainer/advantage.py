@@ -18,11 +18,17 @@ Choices made:
   to the step's loss. By default each episode weighs the same, however many turns it has.
 * GAE runs over the policy's tokens only: masked tokens (tool results, user turns inside a
   merged sample) are skipped, so the value after a token is the value at the next sampled
-  token. The end of a row is terminal unless a bootstrap value is given (truncation).
+  token. The end of a row is terminal unless a bootstrap is given (a continuation or a
+  truncation). The discount may differ per token: PPO discounts by gamma once per turn
+  (between completions) and not between the tokens of one completion (``tree_gae``).
+* ``tree_gae`` carries GAE across training samples along the completion tree: a sample whose
+  last completion has children in other samples continues into them (the mean of the
+  children, as in the discounted return), so with lambda = 1 every token of completion c
+  gets the return G(c) exactly.
+* ``whiten`` (mean 0, std 1 over a batch's sampled tokens) is optional for GAE advantages.
 
 Left out: turn-level groups keyed by shared states (GiGPO-style), learned per-turn
-baselines, KL folded into the reward (REINFORCE++'s original form; KL lives in the loss),
-whitening of GAE advantages.
+baselines, KL folded into the reward (REINFORCE++'s original form; KL lives in the loss).
 """
 
 from __future__ import annotations
@@ -324,42 +330,153 @@ def gae(
     rewards: Tensor,
     values: Tensor,
     mask: Tensor,
-    gamma: float = 1.0,
+    gamma: float | Tensor = 1.0,
     lam: float = 1.0,
     *,
     bootstrap: Tensor | None = None,
+    bootstrap_adv: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Token-level generalized advantage estimation (Schulman et al., 2016) for PPO critics.
 
     ``rewards``, ``values`` and ``mask`` are ``[B, T]``; only tokens where ``mask`` is set
-    take part. For the sampled tokens t_1 < t_2 < ... of a row, with V(t_{k+1}) the value at
-    the next sampled token (``bootstrap[b]`` after the last one, 0 when not given, i.e. the
-    episode terminated)::
+    take part. ``gamma`` is a number, or ``[B, T]`` with gamma(t) the discount between token
+    t and the next sampled token. For the sampled tokens t_1 < t_2 < ... of a row, with
+    V(t_{k+1}) and A(t_{k+1}) the value and advantage at the next sampled token
+    (``bootstrap[b]`` and ``bootstrap_adv[b]`` after the last one, 0 when not given, i.e.
+    the episode terminated)::
 
-        delta_k = r(t_k) + gamma * V(t_{k+1}) - V(t_k)
-        A(t_k)  = delta_k + gamma * lam * A(t_{k+1})
+        delta_k = r(t_k) + gamma(t_k) * V(t_{k+1}) - V(t_k)
+        A(t_k)  = delta_k + gamma(t_k) * lam * A(t_{k+1})
         returns = A + V
 
-    Returns ``(advantages, returns)``, both 0 where ``mask`` is 0. Pass the value after the
-    last token as ``bootstrap`` for truncated rows. No grad flows into ``values``.
+    Returns ``(advantages, returns)``, both 0 where ``mask`` is 0. A truncated row passes the
+    value after its last token as ``bootstrap``; a row that continues in another row passes
+    that row's first value and advantage. No grad flows into ``values``.
+
+    >>> adv, ret = gae(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.5]]), torch.ones(1, 2))
+    >>> adv, ret
+    (tensor([[0.5000, 0.5000]]), tensor([[1., 1.]]))
     """
     if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
         raise ValueError(
             f"rewards, values, mask: expected equal [B, T] shapes, got {tuple(rewards.shape)}, "
             f"{tuple(values.shape)}, {tuple(mask.shape)}"
         )
+    if isinstance(gamma, Tensor) and gamma.shape != rewards.shape:
+        raise ValueError(
+            f"gamma: expected a number or shape {tuple(rewards.shape)}, got {tuple(gamma.shape)}"
+        )
     v = values.detach().float()
     r = rewards.float()
     m = mask.bool()
+    g = gamma.float() if isinstance(gamma, Tensor) else torch.full_like(r, float(gamma))
     rows, width = r.shape
     next_v = r.new_zeros(rows) if bootstrap is None else bootstrap.detach().to(r).clone()
-    next_a = r.new_zeros(rows)
+    next_a = r.new_zeros(rows) if bootstrap_adv is None else bootstrap_adv.detach().to(r).clone()
     adv = r.new_zeros(rows, width)
     for t in range(width - 1, -1, -1):
-        delta = r[:, t] + gamma * next_v - v[:, t]
-        a = delta + gamma * lam * next_a
+        delta = r[:, t] + g[:, t] * next_v - v[:, t]
+        a = delta + g[:, t] * lam * next_a
         mt = m[:, t]
         adv[:, t] = torch.where(mt, a, torch.zeros_like(a))
         next_a = torch.where(mt, a, next_a)
         next_v = torch.where(mt, v[:, t], next_v)
     return adv, torch.where(m, adv + v, torch.zeros_like(adv))
+
+
+def tree_gae(
+    rewards: Sequence[Tensor],
+    values: Sequence[Tensor],
+    masks: Sequence[Tensor],
+    discounts: Sequence[Tensor],
+    children: Sequence[Sequence[int]],
+    lam: float,
+    *,
+    truncated: Sequence[bool] | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """GAE over training samples that continue into each other along a completion tree.
+
+    Sample i is 1-D: per token its reward, value, mask and discount (see ``gae``).
+    ``children[i]`` lists the samples that continue sample i after its last token (the
+    children of its last completion that start samples of their own; every index > i).
+    After the last sampled token of sample i comes, with F(j) the first sampled token of j::
+
+        children        V_next = mean_j V(F(j)),  A_next = mean_j A(F(j))
+        truncated[i]    V_next = V(last sampled token of i),  A_next = 0
+        otherwise       V_next = A_next = 0                                 (terminated)
+
+    so the lambda-return ``A + V`` follows the mean over children of ``Episode.returns``:
+    with lam = 1 it equals the discounted return G(c) at every token of completion c. A
+    truncated episode's next state was never observed; the value before its last token
+    stands in for it. A sample without sampled tokens passes its own (V_next, A_next) on.
+    Samples are computed leaves first, one padded ``gae`` call per tree height.
+    """
+    n = len(rewards)
+    if not n == len(values) == len(masks) == len(discounts) == len(children):
+        raise ValueError("rewards, values, masks, discounts, children: expected equal lengths")
+    cut = list(truncated) if truncated is not None else [False] * n
+    height = [0] * n
+    for i in range(n - 1, -1, -1):
+        if any(not i < j < n for j in children[i]):
+            raise ValueError(f"children[{i}]: expected indices in ({i}, {n}), got {children[i]}")
+        height[i] = 1 + max((height[j] for j in children[i]), default=-1)
+    adv: list[Tensor] = [torch.zeros(0)] * n
+    ret: list[Tensor] = [torch.zeros(0)] * n
+    first: list[tuple[float, float]] = [(0.0, 0.0)] * n  # (V, A) at F(i)
+    for level in range(max(height, default=-1) + 1):
+        rows = [i for i in range(n) if height[i] == level]
+        m = _pad_rows([masks[i].bool() for i in rows])
+        v = _pad_rows([values[i].detach().float() for i in rows])
+        boot_v, boot_a = [], []
+        for i in rows:
+            if children[i]:
+                kids = [first[j] for j in children[i]]
+                boot_v.append(sum(k[0] for k in kids) / len(kids))
+                boot_a.append(sum(k[1] for k in kids) / len(kids))
+            elif cut[i] and masks[i].bool().any():
+                boot_v.append(float(values[i][masks[i].bool()][-1]))
+                boot_a.append(0.0)
+            else:
+                boot_v.append(0.0)
+                boot_a.append(0.0)
+        a, r = gae(
+            _pad_rows([rewards[i].float() for i in rows]),
+            v,
+            m,
+            _pad_rows([discounts[i].float() for i in rows]),
+            lam,
+            bootstrap=torch.tensor(boot_v),
+            bootstrap_adv=torch.tensor(boot_a),
+        )
+        for row, i in enumerate(rows):
+            width = masks[i].numel()
+            adv[i], ret[i] = a[row, :width], r[row, :width]
+            hit = torch.nonzero(m[row]).flatten()
+            if hit.numel():
+                first[i] = (float(v[row, hit[0]]), float(a[row, hit[0]]))
+            else:
+                first[i] = (boot_v[row], boot_a[row])
+    return adv, ret
+
+
+def _pad_rows(rows: Sequence[Tensor]) -> Tensor:
+    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
+
+
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / (std + eps)`` over the tokens where ``mask`` is set; 0 elsewhere.
+
+    The std is Bessel-corrected; when every selected value is equal (std 0) the result is 0,
+    as for the group estimators.
+
+    >>> whiten(torch.tensor([[1.0, 3.0, 9.0]]), torch.tensor([[1, 1, 0]]), eps=0.0)
+    tensor([[-0.7071,  0.7071,  0.0000]])
+    """
+    if x.shape != mask.shape:
+        raise ValueError(f"x, mask: expected equal shapes, got {tuple(x.shape)}, {mask.shape}")
+    m = mask.bool()
+    sel = x.detach().double()[m]
+    if sel.numel() < 2 or float(sel.std()) == 0.0:
+        return torch.zeros_like(x)
+    out = (x.double() - sel.mean()) / (sel.std() + eps)
+    return torch.where(m, out, torch.zeros_like(out)).to(x.dtype)

@@ -17,7 +17,8 @@ Choices made:
   logprobs. Where a paper uses it, its docstring says so.
 
 Left out: per-algorithm learning-rate or batch-size recipes (they belong to the run
-config), entropy bonuses, value-model warm-up for PPO.
+config), entropy bonuses, value-model warm-up for PPO (the critic trains from the first
+step).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class AdvantageSpec:
     """Discount: along the completion tree (group) or per token (gae)."""
     lam: float = 1.0
     """GAE's lambda."""
+    whiten: bool = False
+    """GAE estimator: whiten the advantages over the batch's sampled tokens (``whiten``)."""
 
     def __post_init__(self) -> None:
         problems = _choice("advantage", "estimator", self.estimator, Estimator)
@@ -116,10 +119,19 @@ class AdvantageSpec:
         )
 
     def gae(
-        self, rewards: Tensor, values: Tensor, mask: Tensor, bootstrap: Tensor | None = None
+        self,
+        rewards: Tensor,
+        values: Tensor,
+        mask: Tensor,
+        bootstrap: Tensor | None = None,
+        *,
+        discounts: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Token advantages and returns by GAE with this spec's gamma and lambda."""
-        return gae(rewards, values, mask, self.gamma, self.lam, bootstrap=bootstrap)
+        """Token advantages and returns by GAE with this spec's lambda. The discount is
+        ``discounts`` per token (the training loop discounts once per turn) or, when None,
+        this spec's gamma at every token. Whitening is left to the caller (it spans a batch)."""
+        gamma = self.gamma if discounts is None else discounts
+        return gae(rewards, values, mask, gamma, self.lam, bootstrap=bootstrap)
 
 
 @dataclass(frozen=True)
@@ -224,10 +236,16 @@ class LossSpec:
         )
 
     def value_loss(
-        self, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
+        self,
+        values: Tensor,
+        old_values: Tensor,
+        returns: Tensor,
+        mask: Tensor,
+        weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        """PPO's clipped value loss with this spec's clip (token mean)."""
-        return value_loss(values, old_values, returns, mask, clip=self.value_clip)
+        """PPO's clipped value loss with this spec's clip: ``sum(weights * term)`` with the
+        policy loss's weights, or the token mean without them."""
+        return value_loss(values, old_values, returns, mask, clip=self.value_clip, weights=weights)
 
 
 @dataclass(frozen=True)
@@ -380,16 +398,23 @@ def dapo() -> AlgorithmSpec:
 
 def ppo() -> AlgorithmSpec:
     """PPO: "Proximal Policy Optimization Algorithms" (Schulman et al., 2017) with GAE from
-    "High-Dimensional Continuous Control Using Generalized Advantage Estimation" (2016)::
+    "High-Dimensional Continuous Control Using Generalized Advantage Estimation" (2016).
+    V is a separate critic (``trainer.critic``), t runs over the sampled tokens of a sample::
 
-        delta_t = r_t + gamma V(t+1) - V(t),  A_t = delta_t + gamma lam A_{t+1}, gamma=1, lam=0.95
-        L_pi = -1/|E| sum_e 1/|y_e| sum_t min(r A, clip(r) A)
-        L_V  = 1/|E| sum_e 1/|y_e| sum_t 0.5 max((V - R)^2, (V_old + clip(V - V_old, 0.2) - R)^2)
+        delta_t = r_t + gamma_t V(t+1) - V(t),     A_t = delta_t + gamma_t lam A_{t+1}
+        r_t     = the reward of completion c at its last token (+ the final reward at a leaf)
+        gamma_t = gamma after the last token of a completion, 1 inside one;  lam = 0.95
+        A      <- (A - mean_B A) / std_B A                   whitened over the batch's tokens
+        L_pi    = -1/|E| sum_e 1/|y_e| sum_t min(r A, clip(r) A)
+        L_V     = 1/|E| sum_e 1/|y_e| sum_t 0.5 max((V - R)^2, (V_old + clip(V - V_old, 0.2) - R)^2)
+        R_t     = A_t + V_old(t)                              (before whitening)
+
+    With lam = 1, R_t is the discounted return G(c) of the data contract at every token of c.
     """
     return AlgorithmSpec(
         "ppo",
         "Schulman et al., 2017. Proximal Policy Optimization Algorithms",
-        AdvantageSpec(estimator="gae", gamma=1.0, lam=0.95),
+        AdvantageSpec(estimator="gae", gamma=1.0, lam=0.95, whiten=True),
         LossSpec(value_clip=0.2),
         needs_critic=True,
     )

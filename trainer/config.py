@@ -1,8 +1,9 @@
 """Training configuration: small frozen dataclasses, one per component, and one loader.
 
 ``TrainConfig`` composes ``env``, ``model`` (with ``lora``), ``algorithm``, ``sampling``,
-``rollout``, ``optim``, ``loss``, ``train``, ``sft``, ``metrics`` and ``scheduler``. Only
-``env.id`` has no default (``model.path: null`` is the default model, ``algorithm: grpo``)::
+``rollout``, ``optim``, ``loss``, ``critic`` (PPO's value model), ``train``, ``sft``,
+``metrics`` and ``scheduler``. Only ``env.id`` has no default (``model.path: null`` is the
+default model, ``algorithm: grpo``)::
 
     cfg = load_config("run.yaml", ["rollout.group_size=16", "optim.betas=[0.9, 0.95]"])
 
@@ -36,6 +37,9 @@ ALGORITHMS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "gspo", "dapo", "ppo", "rei
 
 GROUP_ALGORITHMS = frozenset(ALGORITHMS) - {"ppo", "reinforce_pp"}
 """Algorithms whose advantages are normalized within a group: they need group_size >= 2."""
+
+CRITIC_ALGORITHMS = frozenset({"ppo"})
+"""Algorithms that train a critic (the ``critic`` section applies to them only)."""
 
 
 class _Checked:
@@ -161,7 +165,7 @@ class RolloutConfig(_Checked):
     episode_timeout_s: float | None = 600.0
     """Wall-clock limit of one episode; None = no limit."""
     gamma: float = 1.0
-    """Discount of later rewards along the completion tree, in [0, 1]."""
+    """Discount of later rewards along the completion tree (PPO: once per turn), in [0, 1]."""
 
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
         timeout, counts = self.episode_timeout_s, ("group_size", "batch_size", "concurrency")
@@ -236,6 +240,30 @@ class LossConfig(_Checked):
 
 
 @dataclass(frozen=True)
+class CriticConfig(_Checked):
+    """The value model of PPO: a copy of the policy's base with a scalar head, and GAE."""
+
+    path: str | None = None
+    """Initial weights of the critic's backbone; None = the policy's (``model.path``)."""
+    lr: float = 1e-5
+    """Learning rate of the critic's own AdamW (betas, decay and clip from ``optim``)."""
+    lam: float = 0.95
+    """GAE's lambda in [0, 1]: 1 = Monte-Carlo returns, 0 = one-step TD targets."""
+    value_clip: float | None = 0.2
+    """New values are clipped to within this of the old ones in the value loss; None = off."""
+    whiten: bool = True
+    """Whiten advantages over the step's sampled tokens (mean 0, std 1)."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        clip = self.value_clip
+        return (
+            ("lr", self.lr > 0, "> 0"),
+            ("lam", 0 <= self.lam <= 1, "in [0, 1]"),
+            ("value_clip", clip is None or clip > 0, "> 0 or null (no clipping)"),
+        )
+
+
+@dataclass(frozen=True)
 class RunConfig(_Checked):
     """The training loop: length, batching, seeds, outputs and checkpoints."""
 
@@ -271,7 +299,12 @@ class SFTConfig(_Checked):
     enabled: bool = False
     """Run the warm start first."""
     demos: str | None = None
-    """Path of the demonstrations (JSONL); required when enabled."""
+    """Path of the demonstrations (JSONL); required when enabled unless ``generate`` > 0."""
+    generate: int = 0
+    """Instead of reading ``demos``, write this many with the env's ``demos()`` (as
+    ``areal-agent demos`` does) to ``sft_demos.jsonl`` in the run directory; 0 = off."""
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the env's ``demos()``, e.g. ``{kind: arithmetic}``."""
     epochs: int = 1
     """Passes over the demonstrations."""
     lr: float = 1e-5
@@ -281,7 +314,12 @@ class SFTConfig(_Checked):
 
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
         return (
-            ("demos", bool(self.demos) or not self.enabled, "a JSONL path when sft is enabled"),
+            (
+                "demos",
+                bool(self.demos) or self.generate > 0 or not self.enabled,
+                "a JSONL path when sft is enabled (or set sft.generate to write demos)",
+            ),
+            ("generate", self.generate >= 0, ">= 0 (0 = read sft.demos)"),
             ("epochs", self.epochs >= 1, ">= 1"),
             ("lr", self.lr > 0, "> 0"),
         )
@@ -317,6 +355,8 @@ class TrainConfig(_Checked):
     """Optimizer and learning-rate schedule."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model and GAE (PPO only; the discount is ``rollout.gamma``, per turn)."""
     train: RunConfig = field(default_factory=RunConfig)
     """The training loop and its outputs."""
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -335,6 +375,11 @@ class TrainConfig(_Checked):
             out.append(
                 f"rollout.group_size: {self.algorithm} normalizes advantages within a group, "
                 f"so it needs group_size >= 2, got {group}"
+            )
+        if self.algorithm not in CRITIC_ALGORITHMS and self.critic != CriticConfig():
+            out.append(
+                f"critic: set, but algorithm {self.algorithm!r} trains no critic; remove the "
+                f"critic section or choose algorithm={'|'.join(sorted(CRITIC_ALGORITHMS))}"
             )
         eta = self.rollout.max_head_offpolicyness
         if eta > 0 and self.loss.behaviour_correction == "none":

@@ -17,17 +17,22 @@ Choices made:
 * Advantages come from per-completion discounted returns along each episode's completion
   tree, normalized over the group's episodes by group id; by default every episode weighs
   the same, however many turns it has.
+* PPO (``spec.needs_critic``) instead takes per-token GAE advantages from a critic
+  (:mod:`trainer.critic`): its values before the step, rewards on each completion's last
+  token, then one critic step on the clipped value loss after the policy step. The critic
+  and its optimizer are checkpointed and resumed with the policy.
 * Data position: group g of the run uses env seed ``seed_base + g``. A checkpoint stores the
   groups consumed so far; on resume, every started-but-unconsumed group is generated again
   and nothing consumed is used twice.
 
-Left out: a PPO critic inside this loop (``ppo`` is refused here until it has one), a
-reference model for KL, multi-node training (see the Ray scheduler issue).
+Left out: a reference model for KL, multi-node training (see the Ray scheduler issue).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import inspect
 import json
 import random
@@ -50,8 +55,9 @@ from areal_agents.runner import EpisodeResult, Runner
 from areal_agents.trajectory import Episode
 
 from .advantage import completion_returns, filter_uniform_groups
-from .algorithms import AlgorithmSpec, check_async_correction, get_algorithm
-from .config import TrainConfig, dump_yaml
+from .algorithms import AlgorithmSpec, OverlongSpec, check_async_correction, get_algorithm
+from .config import GROUP_ALGORITHMS, TrainConfig, dump_yaml
+from .critic import Critic, GaeInputs, ValueLossFn, critic_targets, gae_inputs, value_loss_fn
 from .metrics import MetricsWriter
 from .policy import Policy
 from .staleness import StalenessGate
@@ -68,6 +74,8 @@ class RunState:
     """Groups rejected (too few usable episodes, or uniform rewards under dynamic sampling)."""
     episodes_consumed: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    """Wall-clock seconds of the run so far (warm start included), summed over resumes."""
 
 
 # ---------------------------------------------------------------------------- batch math
@@ -81,22 +89,40 @@ class Batch:
     weights: list[torch.Tensor]
     segments: list[torch.Tensor]
     prox: list[torch.Tensor] | None = None
+    gae: GaeInputs | None = None
+    """PPO: each sample's rewards, discounts and links; ``add_gae`` fills the rest."""
+    old_values: list[torch.Tensor] | None = None
+    returns: list[torch.Tensor] | None = None
+    ref: list[torch.Tensor] | None = None
+    """Reference-policy logprobs, for a KL penalty (``loss.kl_coef > 0``)."""
 
 
 def build_batch(
     episodes: list[Episode], spec: AlgorithmSpec, gamma: float, max_tokens: int
 ) -> tuple[Batch, dict[str, float]]:
-    """Training samples with per-token advantages and batch-normalized loss weights."""
+    """Training samples with per-token advantages and batch-normalized loss weights.
+
+    With a critic (PPO) the advantages are left at 0 and ``batch.gae`` is set: pass the
+    critic's values to ``add_gae``. With ``spec.overlong`` (DAPO) each completion's reward
+    first gets the soft overlong penalty of its output length (``max_tokens`` = L_max)."""
+    overlong: dict[str, float] = {}
+    if spec.overlong is not None:
+        episodes, overlong = apply_overlong(episodes, spec.overlong, max_tokens)
     rows = completion_returns(episodes, gamma)
-    adv = spec.advantage.group(rows.returns, rows.group_ids, rows.episode_ids, rows.roots)
+    if spec.needs_critic:
+        adv = torch.zeros_like(rows.returns)
+    else:
+        adv = spec.advantage.group(rows.returns, rows.group_ids, rows.episode_ids, rows.roots)
     adv_of = dict(zip(rows.completion_ids, adv.tolist(), strict=True))
     seqs, tcs, sample_eps = [], [], []
-    out = Batch([], [], [], [], [], [], [])
+    out = Batch([], [], [], [], [], [], [], gae=GaeInputs() if spec.needs_critic else None)
     merged = eligible = 0
     for ep in episodes:
         samples, merges = ep.samples(gamma)
         merged += sum(1 for m in merges if m["merged"])
         eligible += sum(1 for m in merges if m["reason"] != "root")
+        if out.gae is not None:
+            out.gae.extend(gae_inputs(ep, samples, gamma))
         for s in samples:
             seqs.append(s.input_ids)
             tcs.append(s.token_completion[1:])
@@ -122,12 +148,56 @@ def build_batch(
         "adv_abs_max": float(adv.abs().max()),
         "merge_rate": merged / eligible if eligible else 0.0,
         "samples": len(seqs),
+        **overlong,
     }
     return out, stats
 
 
+def apply_overlong(
+    episodes: list[Episode], spec: OverlongSpec, max_tokens: int
+) -> tuple[list[Episode], dict[str, float]]:
+    """Copies of ``episodes`` whose completions' rewards include DAPO's soft overlong
+    penalty (``OverlongSpec.penalty`` of each completion's output length); the recorded
+    episodes are left as they are. Returns the copies and the penalty's metrics."""
+    comps = [c for ep in episodes for c in ep.completions]
+    if not comps:
+        return episodes, {}
+    pens = spec.penalty(torch.tensor([len(c.output_ids) for c in comps]), max_tokens).tolist()
+    it = iter(pens)
+    out = []
+    for ep in episodes:
+        copy_ = copy.copy(ep)
+        copy_.completions = [
+            dataclasses.replace(c, reward=c.reward + next(it)) for c in ep.completions
+        ]
+        out.append(copy_)
+    return out, {
+        "overlong_penalty_mean": sum(pens) / len(pens),
+        "overlong_fraction": sum(p < 0 for p in pens) / len(pens),
+    }
+
+
+def add_gae(batch: Batch, values: list[torch.Tensor], spec: AlgorithmSpec) -> dict[str, float]:
+    """PPO: per-token advantages and returns of ``batch`` by GAE from the critic's ``values``
+    (``trainer.critic.critic_targets``); returns their metrics."""
+    assert batch.gae is not None, "build_batch sets batch.gae for a critic algorithm"
+    batch.adv, batch.returns, stats = critic_targets(batch.gae, values, batch.mask, spec.advantage)
+    batch.old_values = values
+    return stats
+
+
+def make_value_loss_fn(batch: Batch, spec: AlgorithmSpec) -> ValueLossFn:
+    """The callback ``Critic.train_step`` calls for each micro-batch (after ``add_gae``)."""
+    assert batch.old_values is not None and batch.returns is not None, "call add_gae first"
+    return value_loss_fn(spec.loss, batch.old_values, batch.returns, batch.mask, batch.weights)
+
+
 def _pad(xs: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(xs, batch_first=True, padding_value=value)
+
+
+_ADDITIVE = frozenset({"loss", "policy_loss"})
+"""Policy-loss stats that are already batch-weighted sums (the rest are per-token means)."""
 
 
 def make_loss_fn(batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int) -> Any:
@@ -137,29 +207,35 @@ def make_loss_fn(batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: i
         items: list[int], logps: list[torch.Tensor], ents: list[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
         logp = _pad(logps)
-        mask = _pad([batch.mask[i] for i in items])
-        behav = _pad([batch.behav[i] for i in items])
+        dev = logp.device  # the batch lives on the CPU; the policy may not
+
+        def rows(xs: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
+            return _pad([xs[i] for i in items], value).to(dev)
+
+        mask, behav = rows(batch.mask), rows(batch.behav)
+        extra = {"ref_logp": rows(batch.ref)} if batch.ref is not None else {}
         if cfg.loss.proximal == "recompute":
             assert batch.prox is not None
-            prox = _pad([batch.prox[i] for i in items])
+            prox = rows(batch.prox)
         else:
             from .loss import approx_proximal_logp
 
-            prox = approx_proximal_logp(
-                behav, logp, _pad([batch.versions[i] for i in items]), version + 1, version
-            )
+            prox = approx_proximal_logp(behav, logp, rows(batch.versions), version + 1, version)
         loss, stats = spec.loss.policy_loss(
             logp,
             behav,
             prox,
-            _pad([batch.adv[i] for i in items]),
+            rows(batch.adv),
             mask,
-            weights=_pad([batch.weights[i] for i in items]),
-            segment_ids=_pad([batch.segments[i] for i in items], -1).long(),
+            weights=rows(batch.weights),
+            segment_ids=rows(batch.segments, -1).long(),
             max_tokens=cfg.sampling.max_new_tokens,
+            **extra,
         )
         n = float(mask.sum())
-        stats = dict(stats)
+        # Per-token means become token-weighted sums, so that summing over micro-batches and
+        # dividing by the batch's tokens gives the batch mean (losses already add up).
+        stats = {k: v if k in _ADDITIVE else v * n for k, v in stats.items()}
         stats["entropy_sum"] = float((_pad(ents) * mask).sum())
         stats["tokens"] = n
         return loss, stats
@@ -221,17 +297,24 @@ class Trainer:
             betas=tuple(cfg.optim.betas),  # type: ignore[arg-type]
             grad_clip=cfg.optim.grad_clip or float("inf"),
             compute_lock=lock,
+            reference=self.spec.loss.kl_coef > 0,
         )
+        self.critic: Critic | None = None
+        if self.spec.needs_critic:
+            path = cfg.critic.path
+            self.critic = Critic(
+                self.model_path if path is None else resolve_model(path, quiet=self.quiet),
+                dtype=dtype,
+                device=cfg.model.device,
+                lora=lora,
+                activation_checkpointing=cfg.model.activation_checkpointing,
+                lr=cfg.critic.lr,
+                weight_decay=cfg.optim.weight_decay,
+                betas=tuple(cfg.optim.betas),  # type: ignore[arg-type]
+                grad_clip=cfg.optim.grad_clip or float("inf"),
+                compute_lock=lock,
+            )
         engine_dtype = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
-        self.engine = EmbeddedEngine.from_pretrained(
-            self.model_path,
-            dtype=engine_dtype,
-            device=cfg.model.device,
-            decode=self.tokenizer.decode,
-            max_batch_size=max(cfg.rollout.concurrency, 1),
-            compute_lock=lock,
-        )
-        self.proxy = Proxy(self.engine, self.tokenizer)
         s = cfg.sampling
         sampling = {
             "temperature": s.temperature,
@@ -239,13 +322,25 @@ class Trainer:
             "top_k": s.top_k,
             "max_tokens": s.max_new_tokens,
         }
-        self.runner = Runner(
-            self.proxy,
-            concurrency=cfg.rollout.concurrency,
-            max_turns=cfg.rollout.max_turns,
-            episode_timeout_s=cfg.rollout.episode_timeout_s or 1e9,
-            sampling=sampling,
-        )
+        if cfg.scheduler == "local":
+            self.engine = EmbeddedEngine.from_pretrained(
+                self.model_path,
+                dtype=engine_dtype,
+                device=cfg.model.device,
+                decode=self.tokenizer.decode,
+                max_batch_size=max(cfg.rollout.concurrency, 1),
+                compute_lock=lock,
+            )
+            self.proxy = Proxy(self.engine, self.tokenizer)
+            self.runner = Runner(
+                self.proxy,
+                concurrency=cfg.rollout.concurrency,
+                max_turns=cfg.rollout.max_turns,
+                episode_timeout_s=cfg.rollout.episode_timeout_s or 1e9,
+                sampling=sampling,
+            )
+        else:  # scheduler: ray (see _ray_rollout)
+            self.engine, self.runner = _ray_rollout(cfg, self.model_path, engine_dtype, sampling)
         kwargs = dict(cfg.env.kwargs)
         probe = make(cfg.env.id, **kwargs)
         if "split" in inspect.signature(type(probe.unwrapped).__init__).parameters:
@@ -263,16 +358,29 @@ class Trainer:
             raise ConfigError("sft.kind=episodes is not supported yet; use sft.kind=messages")
         env = self.make_env()
         _, info = env.reset(seed=self.seed_base)
+        maker = getattr(env.unwrapped, "demos", None)
         env.close()
+        path = cfg.sft.demos or ""
+        if cfg.sft.generate:
+            if maker is None:
+                raise ConfigError(
+                    f"sft.generate: {cfg.env.id} offers no demos(); write the demonstrations "
+                    "yourself (JSONL, one list of chat messages per line) and set sft.demos"
+                )
+            rows = maker(cfg.sft.generate, seed=cfg.train.seed, **cfg.sft.generate_kwargs)
+            path = str(self.out / "sft_demos.jsonl")
+            with open(path, "w") as f:
+                f.writelines(json.dumps({"messages": m}) + "\n" for m in rows)
         stats = run_sft(
             self.policy,
             self.tokenizer,
-            load_demos(cfg.sft.demos or ""),
+            load_demos(path),
             info.get("tools") or None,
             epochs=cfg.sft.epochs,
             lr=cfg.sft.lr,
             micro_batch_tokens=cfg.train.micro_batch_tokens,
             seed=cfg.train.seed,
+            progress=not self.quiet,
         )
         self.policy.reset_optimizer(cfg.optim.lr)
         (self.out / "sft.json").write_text(json.dumps(stats))
@@ -281,10 +389,13 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------
     def _checkpoint(self) -> None:
+        self.state.elapsed_s = time.perf_counter() - self._t_start
         d = self.out / "checkpoints" / f"step-{self.state.step:06d}"
         tmp = d.with_name(d.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         self.policy.save(tmp)
+        if self.critic is not None:
+            self.critic.save(tmp / "critic")
         (tmp / "state.json").write_text(json.dumps(self.state.__dict__))
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
         shutil.rmtree(d, ignore_errors=True)
@@ -297,6 +408,8 @@ class Trainer:
             return False
         d = self.out / "checkpoints" / latest.read_text().strip()
         self.policy.load(d)
+        if self.critic is not None:
+            self.critic.load(d / "critic")
         self.state = RunState(**json.loads((d / "state.json").read_text()))
         rng = torch.load(d / "rng.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
@@ -308,14 +421,17 @@ class Trainer:
     async def run(self) -> dict[str, Any]:
         from tqdm import tqdm
 
+        self._t_start = time.perf_counter()
         self._build()
         cfg, st = self.cfg, self.state
         if self.resume and self._restore():
             st = self.state
+            self._t_start -= st.elapsed_s
             if not self.quiet:
                 print(f"resumed from step {st.step}", file=sys.stderr)
         elif cfg.sft.enabled:
             await asyncio.to_thread(self._warm_start)
+            self._checkpoint()  # step 0: the warm-started model; a resume skips the warm start
         version = st.step
         await self.engine.update_weights(self.policy.weight_update(version))
         B, G = cfg.rollout.batch_size, cfg.rollout.group_size
@@ -345,7 +461,7 @@ class Trainer:
                 if not r.ok:
                     dropped[r.end_reason] += 1
             ok = [r for r in results if r.ok and r.episode.completions]
-            keep = len(ok) >= 2
+            keep = len(ok) >= (2 if cfg.algorithm in GROUP_ALGORITHMS else 1)
             if keep and self.spec.dynamic_sampling:
                 rewards = torch.tensor([r.reward for r in ok])
                 keep = bool(filter_uniform_groups(rewards, [f"g{g}"] * len(ok)).any())
@@ -398,7 +514,8 @@ class Trainer:
                         )
                 await self.engine.update_weights(self.policy.weight_update(version))
                 await gate.set_version(version)
-                if st.step % cfg.train.save_every == 0 or st.step == cfg.train.steps:
+                every = cfg.train.save_every
+                if (every and st.step % every == 0) or st.step == cfg.train.steps:
                     self._checkpoint()
                 bar.update()
                 bar.set_postfix(
@@ -411,6 +528,8 @@ class Trainer:
             prod.cancel()
             bar.close()
             metrics.close()
+            if cfg.scheduler == "ray":  # scheduler: ray: end the rollout workers
+                await self.runner.close()  # type: ignore[attr-defined]
             await self.engine.close()
         final = self.policy.export(self.out / "final", self.model_path, merge_lora=True)
         summary["final_model"] = str(final)
@@ -434,12 +553,42 @@ class Trainer:
         t0 = time.perf_counter()
         if cfg.loss.proximal == "recompute":
             batch.prox = await asyncio.to_thread(
-                self.policy.logprobs, batch.seqs, temp, cfg.train.micro_batch_tokens
+                self.policy.logprobs,
+                batch.seqs,
+                temp,
+                cfg.train.micro_batch_tokens,
+                batch.mask,
             )
+        if self.spec.loss.kl_coef > 0:
+            batch.ref = await asyncio.to_thread(
+                self.policy.ref_logprobs,
+                batch.seqs,
+                temp,
+                cfg.train.micro_batch_tokens,
+                batch.mask,
+            )
+        if self.critic is not None:
+            values = await asyncio.to_thread(
+                self.critic.values, batch.seqs, cfg.train.micro_batch_tokens
+            )
+            bstats.update(add_gae(batch, values, self.spec))
         loss_fn = make_loss_fn(batch, self.spec, cfg, version)
         stats = await asyncio.to_thread(
-            self.policy.train_step, batch.seqs, loss_fn, temp, cfg.train.micro_batch_tokens
+            self.policy.train_step,
+            batch.seqs,
+            loss_fn,
+            temp,
+            cfg.train.micro_batch_tokens,
+            batch.mask,
         )
+        policy_keys = set(stats) - {"grad_norm", "micro_batches", "entropy_sum", "tokens"}
+        if self.critic is not None:
+            value_fn = make_value_loss_fn(batch, self.spec)
+            vstats = await asyncio.to_thread(
+                self.critic.train_step, batch.seqs, value_fn, cfg.train.micro_batch_tokens
+            )
+            stats.update(vstats)
+            bstats["value_loss"] = vstats["value_loss"]
         t_train = time.perf_counter() - t0
         tokens = stats.pop("tokens", 0.0) or 1.0
         stale = [
@@ -465,8 +614,12 @@ class Trainer:
             "wait_s": t_wait,
             "train_s": t_train,
             "version": float(version),
+            "elapsed_s": time.perf_counter() - self._t_start,
             **bstats,
-            **{f"loss/{k}": float(v) for k, v in stats.items()},
+            **{
+                f"loss/{k}": float(v) if k in _ADDITIVE or k not in policy_keys else v / tokens
+                for k, v in stats.items()
+            },
             **{f"dropped/{k}": float(v) for k, v in dropped.items()},
         }
         metrics.log(self.state.step + 1, scalars, {"staleness": [float(s) for s in stale]})
@@ -474,16 +627,11 @@ class Trainer:
 
 
 def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:
-    """The configured algorithm, with every ``loss.*`` value the config sets (not None)."""
+    """The configured algorithm, with every ``loss.*`` value the config sets (not None) and,
+    for a critic algorithm, the ``critic.*`` GAE and value-clip settings."""
     import dataclasses
 
     spec = get_algorithm(cfg.algorithm)
-    if spec.needs_critic:
-        raise ConfigError(
-            f"algorithm {cfg.algorithm!r} needs a critic, which the training loop does not "
-            "run yet; choose a critic-free algorithm (grpo, dr_grpo, rloo, gspo, dapo, "
-            "lite_ppo, reinforce_pp, sapo, m2po)"
-        )
     names = (
         "clip_low",
         "clip_high",
@@ -494,8 +642,11 @@ def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:
         "weighting",
     )
     changes = {n: getattr(cfg.loss, n) for n in names if getattr(cfg.loss, n) is not None}
-    loss = dataclasses.replace(spec.loss, **changes)
     adv = dataclasses.replace(spec.advantage, gamma=cfg.rollout.gamma)
+    if spec.needs_critic:
+        changes["value_clip"] = cfg.critic.value_clip
+        adv = dataclasses.replace(adv, lam=cfg.critic.lam, whiten=cfg.critic.whiten)
+    loss = dataclasses.replace(spec.loss, **changes)
     return dataclasses.replace(spec, loss=loss, advantage=adv)
 
 
@@ -511,6 +662,41 @@ def _truncate_ledger(path: Path, step: int) -> None:
     path.write_text("".join(r + "\n" for r in rows))
 
 
+# ---------------------------------------------------------------------------- scheduler: ray
+def _ray_rollout(
+    cfg: TrainConfig, model_path: str, engine_dtype: str, sampling: dict[str, Any]
+) -> tuple[Any, Any]:
+    """``scheduler: ray``: the engine and the episodes run as Ray actors
+    (:mod:`areal_agents.cluster`, :mod:`areal_agents.ray_runner`) while the policy trains in
+    this process; new weights reach the engine actors through the object store.
+
+    Joins ``$RAY_ADDRESS`` or a cluster started with ``ray start`` on this machine, else starts
+    a local one (Ray shuts that down when the process exits). One engine actor (a GPU when the
+    cluster has one); rollout workers: one per node, at least 2.
+    """
+    from areal_agents.cluster import EmbeddedSpec, RayEngine, connect
+    from areal_agents.ray_runner import RayRunner
+
+    connect()
+    spec = EmbeddedSpec(
+        model=None if cfg.model.path is None else model_path,  # None: prepared on its node
+        dtype=engine_dtype,
+        device=cfg.model.device,
+        max_batch_size=max(cfg.rollout.concurrency, 1),
+    )
+    engine = RayEngine.start(spec)
+    runner = RayRunner(
+        engine,
+        model_path,
+        concurrency=cfg.rollout.concurrency,
+        max_turns=cfg.rollout.max_turns,
+        episode_timeout_s=cfg.rollout.episode_timeout_s or 1e9,
+        sampling=sampling,
+    )
+    return engine, runner
+
+
+# ---------------------------------------------------------------------------- end scheduler: ray
 def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to completion (blocking); returns the last step's metrics."""
     return asyncio.run(Trainer(cfg, resume=resume, quiet=quiet).run())

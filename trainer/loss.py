@@ -362,29 +362,59 @@ def value_loss(
     clip: float | None = 0.2,
     agg: Agg = "token_mean",
     max_tokens: int | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO's clipped value loss. Returns ``(loss, stats)``::
 
-    v_clip = old_values + clamp(values - old_values, -clip, clip)
-    L      = agg(0.5 * max((values - R)^2, (v_clip - R)^2))       (clip=None: first term)
+        v_clip = old_values + clamp(values - old_values, -clip, clip)
+        L      = agg(0.5 * max((values - R)^2, (v_clip - R)^2))       (clip=None: first term)
+
+    The clip keeps the critic's prediction within ``clip`` of the values the advantages were
+    computed with, unless moving further lowers the error. ``weights`` (see
+    ``completion_weights``) replace ``agg``: ``L = sum(weights * term)``, and the stats
+    (``value_clip_fraction``, ``value_mean``) are weighted sums too, so that micro-batch
+    stats add up to the batch's.
     """
     v = values.float()
     ret = returns.detach().float()
+    valid = mask.bool()
     err = (v - ret) ** 2
     if clip is None:
         per_token = 0.5 * err
-        clipped_frac = torch.zeros(())
+        clipped = torch.zeros_like(err, dtype=torch.bool)
     else:
         old = old_values.detach().float()
         v_clip = old + (v - old).clamp(-clip, clip)
         err_clip = (v_clip - ret) ** 2
         per_token = 0.5 * torch.maximum(err, err_clip)
-        clipped_frac = _masked_mean((err_clip > err).float(), mask.bool())
-    loss = aggregate(per_token, mask, agg, max_tokens)
-    return loss, _floats(
-        {
-            "value_loss": loss,
-            "value_clip_fraction": clipped_frac.to(loss.device),
-            "value_mean": _masked_mean(v.detach(), mask.bool()),
-        }
-    )
+        clipped = err_clip > err
+
+    def reduce(x: Tensor) -> Tensor:
+        if weights is not None:
+            return (x * weights.to(x.dtype) * mask.to(x.dtype)).sum()
+        return aggregate(x, mask, agg, max_tokens)
+
+    loss = reduce(per_token)
+    if weights is None:
+        frac, mean = _masked_mean(clipped.float(), valid), _masked_mean(v.detach(), valid)
+    else:
+        frac, mean = reduce(clipped.float()), reduce(v.detach())
+    return loss, _floats({"value_loss": loss, "value_clip_fraction": frac, "value_mean": mean})
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """How much of the returns' variance the critic explains, over the tokens in ``mask``::
+
+        EV = 1 - Var(R - V) / Var(R)
+
+    1 is a perfect critic, 0 one no better than a constant, < 0 worse than a constant. When
+    the returns do not vary (Var(R) = 0) it is 0: there is nothing to explain.
+
+    >>> explained_variance(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]), torch.ones(2))
+    0.75
+    """
+    m = mask.bool()
+    r = returns.detach().double()[m]
+    if r.numel() < 2 or float(r.var()) == 0.0:
+        return 0.0
+    return float(1.0 - (r - values.detach().double()[m]).var() / r.var())

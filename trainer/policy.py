@@ -38,6 +38,10 @@ class Packed:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     spans: list[tuple[int, int, int]]  # (item index, start, end) in the row
+    keep: torch.Tensor | None = None
+    """[1, T] bool: row positions whose logits are needed (None: all of them)."""
+    windows: list[tuple[int, int]] | None = None
+    """Per span, the window [a, b) of its tokens 1..n-1 (0-based) whose logprobs are needed."""
 
 
 def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -58,16 +62,39 @@ def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return bins
 
 
-def make_packed(seqs: Sequence[Sequence[int]], indices: Sequence[int], device: Any) -> Packed:
+def make_packed(
+    seqs: Sequence[Sequence[int]],
+    indices: Sequence[int],
+    device: Any,
+    needed: Sequence[torch.Tensor] | None = None,
+) -> Packed:
+    """Concatenate ``seqs[indices]`` into one row.
+
+    ``needed[i]`` (bool or 0/1 over tokens 1..n-1 of sequence i): the tokens whose logprobs
+    the loss uses. Then only the logits of the window from the first to the last needed
+    token are computed (prompt tokens need none), which skips most of the vocabulary
+    projection and log-softmax; logprobs outside the window are returned as 0.
+    """
     ids: list[int] = []
     pos: list[int] = []
     spans = []
+    windows: list[tuple[int, int]] = []
     for i in indices:
         start = len(ids)
         ids.extend(seqs[i])
         pos.extend(range(len(seqs[i])))
         spans.append((i, start, len(ids)))
-    return Packed(torch.tensor([ids], device=device), torch.tensor([pos], device=device), spans)
+        if needed is not None:
+            hits = torch.nonzero(torch.as_tensor(needed[i]) > 0).flatten()
+            a, b = (int(hits[0]), int(hits[-1]) + 1) if len(hits) else (0, 0)
+            windows.append((a, b))
+    packed = Packed(torch.tensor([ids], device=device), torch.tensor([pos], device=device), spans)
+    if needed is not None:
+        keep = torch.zeros(1, len(ids), dtype=torch.bool)
+        for (_, s, _), (a, b) in zip(spans, windows, strict=True):
+            keep[0, s + a : s + b] = True  # logits at row position p predict token p + 1
+        packed.keep, packed.windows = keep.to(device), windows
+    return packed
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -103,7 +130,11 @@ class Policy:
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float = 1.0,
         compute_lock: Any = None,
+        reference: bool = False,
     ) -> None:
+        """``reference``: keep the starting weights as the reference policy of a KL penalty
+        (:meth:`ref_logprobs`). With LoRA that costs nothing (the base without the adapter
+        is the reference); a full fine-tune keeps a frozen copy of the model."""
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -119,6 +150,11 @@ class Policy:
             if lora:
                 model.enable_input_require_grads()
         self.model = model.to(self.device)  # type: ignore[arg-type]
+        self._reference: Any = None
+        if reference and not lora:
+            import copy
+
+            self._reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, weight_decay=weight_decay, betas=betas
@@ -136,32 +172,61 @@ class Policy:
 
     # ------------------------------------------------------------------ forward passes
     def _forward(self, packed: Packed) -> torch.Tensor:
+        """Logits of the positions in ``packed.keep`` (all positions when it is None)."""
+        kwargs: dict[str, Any] = {}
+        if packed.keep is not None:
+            kwargs["logits_to_keep"] = packed.keep
         out = self.model(
-            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            **kwargs,
         )
-        return out.logits[0]
+        logits = out.logits
+        return logits if packed.keep is not None and logits.dim() == 2 else logits[0]
 
     def _per_item(
         self, logits: torch.Tensor, packed: Packed, temperature: float, entropy: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per item, logprobs (and entropies) of its tokens 1..n-1; positions outside the
+        item's kept window hold 0 and carry no gradient."""
         ids = packed.input_ids[0]
         logps, ents = [], []
-        for _, s, e in packed.spans:
-            lg = logits[s : e - 1]
-            logps.append(token_logprobs(lg, ids[s + 1 : e], temperature))
-            ents.append(token_entropy(lg.detach(), temperature) if entropy else lg.new_zeros(0))
+        row = 0  # next row of ``logits`` when only kept positions were computed
+        windows = packed.windows
+        for k, (_, s, e) in enumerate(packed.spans):
+            a, b = windows[k] if windows is not None else (0, e - s - 1)
+            if packed.keep is not None:
+                lg = logits[row : row + (b - a)]
+                row += b - a
+            else:
+                lg = logits[s : e - 1]
+            lp = token_logprobs(lg, ids[s + 1 + a : s + 1 + b], temperature)
+            ent = token_entropy(lg.detach(), temperature) if entropy else lp.new_zeros(b - a)
+            n = e - s - 1
+            if (a, b) != (0, n):
+                pad = (lp.new_zeros(a), lp.new_zeros(n - b))
+                lp = torch.cat([pad[0], lp, pad[1]])
+                ent = torch.cat([pad[0], ent, pad[1]])
+            logps.append(lp)
+            ents.append(ent if entropy else lp.new_zeros(0))
         return logps, ents
 
     @torch.no_grad()
     def logprobs(
-        self, seqs: Sequence[Sequence[int]], temperature: float, micro_batch_tokens: int = 4096
+        self,
+        seqs: Sequence[Sequence[int]],
+        temperature: float,
+        micro_batch_tokens: int = 4096,
+        needed: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Per sequence, the logprob of tokens 1..n-1 given their prefix (float32, CPU)."""
+        """Per sequence, the logprob of tokens 1..n-1 given their prefix (float32, CPU);
+        with ``needed``, 0 outside each sequence's needed window (see :func:`make_packed`)."""
         was_training = self.model.training
         self.model.eval()
         out: list[torch.Tensor | None] = [None] * len(seqs)
         for group in pack([len(s) for s in seqs], micro_batch_tokens):
-            packed = make_packed(seqs, group, self.device)
+            packed = make_packed(seqs, group, self.device, needed)
             with self._compute:
                 logps, _ = self._per_item(self._forward(packed), packed, temperature, False)
             for (i, _, _), lp in zip(packed.spans, logps, strict=True):
@@ -169,20 +234,45 @@ class Policy:
         self.model.train(was_training)
         return [x for x in out if x is not None]
 
+    @torch.no_grad()
+    def ref_logprobs(
+        self,
+        seqs: Sequence[Sequence[int]],
+        temperature: float,
+        micro_batch_tokens: int = 4096,
+        needed: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`logprobs` under the reference policy: the starting weights (the base model
+        with the LoRA adapter disabled, or the frozen copy kept with ``reference=True``)."""
+        if self.is_lora:
+            with self.model.disable_adapter():
+                return self.logprobs(seqs, temperature, micro_batch_tokens, needed)
+        if self._reference is None:
+            raise RuntimeError("Policy(reference=True) keeps the reference of a full fine-tune")
+        current, self.model = self.model, self._reference
+        try:
+            return self.logprobs(seqs, temperature, micro_batch_tokens, needed)
+        finally:
+            self.model = current
+
     def train_step(
         self,
         seqs: Sequence[Sequence[int]],
         loss_fn: LossFn,
         temperature: float,
         micro_batch_tokens: int = 4096,
+        needed: Sequence[torch.Tensor] | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over all ``seqs`` with gradient accumulation."""
+        """One optimizer step over all ``seqs`` with gradient accumulation.
+
+        ``needed``: per sequence, the tokens the loss uses (e.g. its loss mask); logits are
+        then computed only over their window (see :func:`make_packed`)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         n_micro = 0
         for group in pack([len(s) for s in seqs], micro_batch_tokens):
-            packed = make_packed(seqs, group, self.device)
+            packed = make_packed(seqs, group, self.device, needed)
             with self._compute:
                 logps, ents = self._per_item(self._forward(packed), packed, temperature, True)
                 loss, stats = loss_fn([i for i, _, _ in packed.spans], logps, ents)

@@ -88,8 +88,16 @@ def run_sft(
     batch_size: int = 8,
     micro_batch_tokens: int = 4096,
     seed: int = 0,
+    progress: bool = False,
 ) -> dict[str, float]:
-    """Train ``policy`` on ``demos``; returns the last batch's mean loss and counts."""
+    """Train ``policy`` on ``demos``; returns the last batch's mean loss and counts.
+
+    ``progress`` shows a progress bar (batches, with the running loss) on stderr.
+    """
+    import sys
+
+    from tqdm import tqdm
+
     samples = [sft_sample(tokenizer, d, tools) for d in demos]
     skipped = sum(s[2] for s in samples)
     data = [(ids, mask) for ids, mask, _ in samples if sum(mask)]
@@ -100,6 +108,14 @@ def run_sft(
     rng = random.Random(seed)
     last = 0.0
     steps = 0
+    per_epoch = -(-len(data) // batch_size)
+    bar = tqdm(
+        total=epochs * per_epoch,
+        desc="warm start",
+        unit="batch",
+        disable=not progress,
+        file=sys.stderr,
+    )
     for _ in range(epochs):
         order = list(range(len(data)))
         rng.shuffle(order)
@@ -118,11 +134,14 @@ def run_sft(
             ) -> tuple[torch.Tensor, dict[str, float]]:
                 terms = [(lp * masks[i]).sum() for i, lp in zip(items, logps, strict=True)]
                 loss = -torch.stack(terms).sum() / total
-                return loss, {"nll": float(loss)}
+                return loss, {"nll": float(loss.detach())}
 
-            stats = policy.train_step(seqs, loss_fn, 1.0, micro_batch_tokens)
+            stats = policy.train_step(seqs, loss_fn, 1.0, micro_batch_tokens, masks)
             last = stats["nll"]
             steps += 1
+            bar.update()
+            bar.set_postfix(nll=f"{last:.3f}")
+    bar.close()
     return {
         "sft_nll": last,
         "sft_steps": float(steps),

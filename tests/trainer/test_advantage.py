@@ -17,6 +17,8 @@ from trainer.advantage import (
     gae,
     group_advantages,
     overlong_penalty,
+    tree_gae,
+    whiten,
 )
 
 
@@ -332,3 +334,82 @@ def test_gae_matches_a_hand_loop_with_holes_and_bootstrap():
     expected = _gae_loop(r.tolist(), v.tolist(), m.tolist(), 0.95, 0.9, boot.tolist())
     torch.testing.assert_close(adv, torch.tensor(expected))
     torch.testing.assert_close(ret, torch.where(m.bool(), adv + v, torch.zeros_like(v)))
+
+
+def test_gae_three_tokens_gamma_09_lambda_08_by_hand():
+    # r = [0, 0.5, 1], V = [0.5, 0.6, 0.7], gamma 0.9, lam 0.8 (gamma * lam = 0.72):
+    # delta2 = 1 - 0.7 = 0.3                  A2 = 0.3
+    # delta1 = 0.5 + 0.9 * 0.7 - 0.6 = 0.53   A1 = 0.53 + 0.72 * 0.3 = 0.746
+    # delta0 = 0 + 0.9 * 0.6 - 0.5 = 0.04     A0 = 0.04 + 0.72 * 0.746 = 0.57712
+    # returns A + V = [1.07712, 1.346, 1.0]; check R1 = r1 + gamma ((1 - lam) V2 + lam R2)
+    # = 0.5 + 0.9 (0.2 * 0.7 + 0.8 * 1.0) = 1.346
+    rewards = torch.tensor([[0.0, 0.5, 1.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7]])
+    adv, ret = gae(rewards, values, torch.ones(1, 3), 0.9, 0.8)
+    close(adv, [[0.57712, 0.746, 0.3]])
+    close(ret, [[1.07712, 1.346, 1.0]])
+
+
+def test_gae_with_a_per_token_discount_skips_masked_tokens():
+    # A merged row: completion 0 (tokens 0, 1), a masked tool token, completion 1 (token 3).
+    # gamma 0.9 only after a completion's last token; lam 0.5.
+    # t3: 1 - 0.4 = 0.6                                       A3 = 0.6
+    # t1: 0.2 + 0.9 * 0.4 - 0.2 = 0.36 (next sampled is t3)   A1 = 0.36 + 0.45 * 0.6 = 0.63
+    # t0: 0 + 1.0 * 0.2 - 0.1 = 0.1                           A0 = 0.1 + 0.5 * 0.63 = 0.415
+    rewards = torch.tensor([[0.0, 0.2, 0.0, 1.0]])
+    values = torch.tensor([[0.1, 0.2, 9.0, 0.4]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    discounts = torch.tensor([[1.0, 0.9, 1.0, 0.9]])
+    adv, ret = gae(rewards, values, mask, discounts, 0.5)
+    close(adv, [[0.415, 0.63, 0.0, 0.6]])
+    close(ret, [[0.515, 0.83, 0.0, 1.0]])
+    with pytest.raises(ValueError, match="gamma: expected a number or shape"):
+        gae(rewards, values, mask, torch.ones(1, 3), 0.5)
+
+
+def test_tree_gae_continues_into_children_and_bootstraps_truncation_by_hand():
+    # Sample 0 (one token, V 0.5, r 0) continues into samples 1 and 2 (one token each:
+    # V 0.2, r 1 and V 0.6, r 0, both terminal). gamma 0.9 after sample 0's token, lam 0.5.
+    # A1 = 1 - 0.2 = 0.8, A2 = 0 - 0.6 = -0.6; V_next = 0.4, A_next = 0.1
+    # A0 = 0 + 0.9 * 0.4 - 0.5 + 0.9 * 0.5 * 0.1 = -0.095
+    # Sample 3 (truncated): V [0.3, 0.7], r 0, gamma 0.9 after its last token; bootstrap
+    # V_next = 0.7 (the value before the last token), A_next = 0:
+    # A(t1) = 0.9 * 0.7 - 0.7 = -0.07;  A(t0) = 0.7 - 0.3 + 0.5 * -0.07 = 0.365
+    t = torch.tensor
+    adv, ret = tree_gae(
+        [t([0.0]), t([1.0]), t([0.0]), t([0.0, 0.0])],
+        [t([0.5]), t([0.2]), t([0.6]), t([0.3, 0.7])],
+        [t([1.0]), t([1.0]), t([1.0]), t([1.0, 1.0])],
+        [t([0.9]), t([0.9]), t([0.9]), t([1.0, 0.9])],
+        [[1, 2], [], [], []],
+        0.5,
+        truncated=[False, False, False, True],
+    )
+    for got, want in zip(adv, [[-0.095], [0.8], [-0.6], [0.365, -0.07]], strict=True):
+        close(got, want)
+    close(ret[0], [0.405])
+    close(ret[3], [0.665, 0.63])
+    with pytest.raises(ValueError, match=r"children\[1\]: expected indices in \(1, 2\)"):
+        tree_gae([t([0.0])] * 2, [t([0.0])] * 2, [t([1.0])] * 2, [t([1.0])] * 2, [[1], [0]], 1.0)
+
+
+def test_tree_gae_empty_sample_passes_its_continuation_on():
+    # sample 1 has no sampled token: sample 0 sees sample 2's first (V, A) through it
+    t = torch.tensor
+    adv, _ = tree_gae(
+        [t([0.0]), t([0.0]), t([1.0])],
+        [t([0.0]), t([5.0]), t([0.25])],
+        [t([1.0]), t([0.0]), t([1.0])],
+        [t([1.0]), t([1.0]), t([1.0])],
+        [[1], [2], []],
+        1.0,
+    )
+    close(adv[2], [0.75])
+    close(adv[0], [1.0])  # 0 + 0.25 - 0 + 0.75: the return 1 at the end
+
+
+def test_whiten_by_hand():
+    # selected [1, 3]: mean 2, Bessel std sqrt(2) -> [-0.707107, 0.707107]; masked -> 0
+    out = whiten(torch.tensor([1.0, 3.0, 9.0]), torch.tensor([1, 1, 0]), eps=0.0)
+    close(out, [-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0])
+    assert whiten(torch.tensor([2.0, 2.0]), torch.ones(2)).tolist() == [0.0, 0.0]

@@ -102,7 +102,7 @@ def test_ppo_by_hand():
     # deltas: 0.6 - 0.5 = 0.1, 0.7 - 0.6 = 0.1, 1 - 0.7 = 0.3
     # A2 = 0.3; A1 = 0.1 + 0.95 * 0.3 = 0.385; A0 = 0.1 + 0.95 * 0.385 = 0.46575
     spec = get_algorithm("ppo")
-    assert spec.needs_critic
+    assert spec.needs_critic and spec.advantage.whiten  # whitening spans a batch: the loop's
     values = torch.tensor([[0.5, 0.6, 0.7]])
     mask = torch.ones(1, 3)
     adv, ret = spec.advantage.gae(torch.tensor([[0.0, 0.0, 1.0]]), values, mask)

@@ -63,6 +63,7 @@ loss:
   kl_coef: 0.001
   agg: sum_norm
   weighting: token
+critic: {path: null, lr: 1.0e-5, lam: 0.95, value_clip: 0.2, whiten: true}
 train:
   micro_batch_tokens: 8192
   steps: 40
@@ -220,7 +221,7 @@ def test_unknown_keys_are_rejected_with_the_nearest_key(tmp_path: Path) -> None:
         "unknown key 'model.lora.rnak'; valid keys here: "
         "enabled, r, alpha, dropout, target_modules" in problems
     )
-    assert "unknown key 'lr'; did you mean 'optim.lr' or 'sft.lr'?" in problems
+    assert "unknown key 'lr'; did you mean 'optim.lr' or 'critic.lr' or 'sft.lr'?" in problems
     (zzz,) = [p for p in problems if "'zzz'" in p]
     assert "valid keys here: env, model, algorithm" in zzz
 
@@ -422,3 +423,32 @@ def test_group_size_one_only_without_a_group_baseline(algorithm: str, allowed: b
     else:
         (problem,) = problems_of(None, overrides)
         assert problem.startswith(f"rollout.group_size: {algorithm} normalizes")
+
+
+def test_critic_section_checks_values_and_defaults_equal_the_ppo_spec() -> None:
+    from trainer.algorithms import ALGORITHMS, get_algorithm
+    from trainer.config import CRITIC_ALGORITHMS, CriticConfig
+
+    assert {n for n, s in ALGORITHMS.items() if s.needs_critic} == CRITIC_ALGORITHMS
+    ppo, default = get_algorithm("ppo"), CriticConfig()
+    assert (default.lam, default.value_clip, default.whiten) == (
+        ppo.advantage.lam, ppo.loss.value_clip, ppo.advantage.whiten,
+    )  # fmt: skip
+    cfg = load_config(None, ["env.id=x", "algorithm=ppo", "critic.lr=3e-5", "critic.path=/m"])
+    assert cfg.critic == CriticConfig(path="/m", lr=3e-5)
+    problems = problems_of(
+        None, ["env.id=x", "algorithm=ppo", "critic.lr=0", "critic.lam=1.5", "critic.value_clp=1"]
+    )
+    assert "critic.lr: must be > 0, got 0.0" in problems
+    assert "critic.lam: must be in [0, 1], got 1.5" in problems
+    assert "unknown key 'critic.value_clp'; did you mean 'critic.value_clip'?" in problems
+
+
+def test_critic_settings_without_a_critic_algorithm_name_the_fix() -> None:
+    (problem,) = problems_of(None, ["env.id=x", "algorithm=grpo", "critic.lam=0.9"])
+    assert problem == (
+        "critic: set, but algorithm 'grpo' trains no critic; remove the critic section "
+        "or choose algorithm=ppo"
+    )
+    # a resolved config (every section written out with its defaults) still loads
+    assert load_config(None, ["env.id=x", "critic.lam=0.95"]).algorithm == "grpo"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -17,7 +19,8 @@ import torch
 from areal_agents.trajectory import Completion, Episode
 from trainer.algorithms import ALGORITHMS
 from trainer.config import load_config
-from trainer.loop import _algorithm, build_batch, make_loss_fn
+from trainer.critic import Critic
+from trainer.loop import _algorithm, add_gae, build_batch, make_loss_fn, make_value_loss_fn
 from trainer.policy import Policy, pack
 from trainer.staleness import StalenessGate
 
@@ -46,6 +49,39 @@ def test_packed_logprobs_equal_one_sequence_at_a_time(policy):
         logits = policy.model(torch.tensor([seqs[0]])).logits[0, :-1].float() / 0.7
     ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(seqs[0][1:]).unsqueeze(1))
     assert torch.allclose(packed[0], ref.squeeze(1), atol=1e-5)
+
+
+def test_needed_windows_give_the_same_logprobs_and_gradients(tiny_model_dir):
+    """Logits only over each sequence's needed window: equal logprobs there, 0 outside,
+    and exactly the same gradient for a loss that masks the rest."""
+    seqs = [list(range(10, 30)), list(range(40, 47)), list(range(5, 18)), list(range(60, 66))]
+    needed = [torch.zeros(len(s) - 1) for s in seqs]
+    needed[0][12:19] = 1
+    needed[1][2] = 1
+    needed[2][[3, 9]] = 1  # a gap inside the window (a masked tool turn)
+    full = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    part = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    lp_full = full.logprobs(seqs, 0.7, 32)
+    lp_part = part.logprobs(seqs, 0.7, 32, needed)
+    for a, b, m in zip(lp_full, lp_part, needed, strict=True):
+        assert b.shape == a.shape
+        assert torch.allclose(a[m > 0], b[m > 0], atol=1e-5)
+        lo, hi = (int(m.nonzero()[0]), int(m.nonzero()[-1]) + 1) if m.any() else (0, 0)
+        assert torch.all(b[:lo] == 0) and torch.all(b[hi:] == 0)
+
+    def loss_fn(items, logps, ents):
+        terms = [(lp * needed[i]).sum() for i, lp in zip(items, logps, strict=True)]
+        loss = -torch.stack(terms).sum() / 10
+        return loss, {
+            "ent": float(sum((e * needed[i]).sum() for i, e in zip(items, ents, strict=True)))
+        }
+
+    s_full = full.train_step(seqs, loss_fn, 0.7, 32)
+    s_part = part.train_step(seqs, loss_fn, 0.7, 32, needed)
+    assert s_full["ent"] == pytest.approx(s_part["ent"], rel=1e-5)
+    assert s_full["grad_norm"] == pytest.approx(s_part["grad_norm"], rel=1e-4)
+    for pf, pp in zip(full.params, part.params, strict=True):
+        assert torch.allclose(pf, pp, atol=1e-6)
 
 
 async def test_gate_eta0_admits_one_batch_per_version_and_eta2_three():
@@ -116,9 +152,13 @@ def _episodes(policy: Policy, n_groups: int = 2, size: int = 3) -> list[Episode]
     return eps
 
 
-@pytest.mark.parametrize("name", sorted(n for n, s in ALGORITHMS.items() if not s.needs_critic))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_every_algorithm_trains_two_steps(tiny_model_dir, name):
     policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    critic = None
+    if ALGORITHMS[name].needs_critic:
+        critic = Critic(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-3)
+        critic_before = {k: v.clone() for k, v in critic.params.items()}
     cfg = load_config(
         None,
         [
@@ -133,12 +173,59 @@ def test_every_algorithm_trains_two_steps(tiny_model_dir, name):
     for step in range(2):
         batch, stats = build_batch(_episodes(policy), spec, 1.0, 16)
         assert stats["merge_rate"] == 1.0
+        if critic is not None:
+            gstats = add_gae(batch, critic.values(batch.seqs, 64), spec)
+            assert abs(gstats["adv_mean"]) < 1e-5 and gstats["adv_std"] == pytest.approx(1.0)
         batch.prox = policy.logprobs(batch.seqs, 1.0)
         out = policy.train_step(batch.seqs, make_loss_fn(batch, spec, cfg, step), 1.0, 64)
-        assert torch.isfinite(torch.tensor(out["grad_norm"]))
+        assert torch.isfinite(torch.tensor([out["grad_norm"], out["loss"]])).all()
         assert out["micro_batches"] >= 2
+        if critic is not None:
+            vout = critic.train_step(batch.seqs, make_value_loss_fn(batch, spec), 64)
+            assert vout["value_loss"] > 0
+            assert torch.isfinite(torch.tensor([vout["value_loss"], vout["value_grad_norm"]])).all()
     changed = [k for k, v in policy.model.named_parameters() if not torch.equal(v, before[k])]
     assert changed, f"{name}: no parameter changed"
+    if critic is not None:
+        moved = {k for k, v in critic.params.items() if not torch.equal(v, critic_before[k])}
+        assert "head.weight" in moved and any(k.startswith("backbone.") for k in moved)
+
+
+def test_ppo_takes_the_critic_settings_and_its_advantages_are_returns_minus_values(tiny_model_dir):
+    cfg = load_config(
+        None,
+        [
+            "env.id=areal/Calculator-v0",
+            "algorithm=ppo",
+            "rollout.gamma=0.9",
+            "critic.lam=0.5",
+            "critic.value_clip=null",
+            "critic.whiten=false",
+        ],
+    )
+    spec = _algorithm(cfg)
+    assert (spec.advantage.gamma, spec.advantage.lam, spec.advantage.whiten) == (0.9, 0.5, False)
+    assert spec.loss.value_clip is None
+    default = _algorithm(load_config(None, ["env.id=x", "algorithm=ppo"]))
+    assert (default.advantage.lam, default.advantage.whiten, default.loss.value_clip) == (
+        0.95, True, 0.2,
+    )  # fmt: skip
+    # Without whitening and with lambda 1 the advantages are G(c) - V at each sampled token.
+    policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu")
+    episodes = _episodes(policy)
+    raw = dataclasses.replace(spec, advantage=dataclasses.replace(spec.advantage, lam=1.0))
+    batch, _ = build_batch(episodes, raw, 0.9, 16)
+    values = [torch.full_like(m, 0.25) for m in batch.mask]
+    stats = add_gae(batch, values, raw)
+    returns = {c: g for ep in episodes for c, g in ep.returns(0.9).items()}
+    for ep in episodes:
+        samples, _ = ep.samples(0.9)
+        for s in samples:
+            i = next(i for i, q in enumerate(batch.seqs) if q == s.input_ids)
+            for t, k in enumerate(s.token_completion[1:]):
+                want = returns[s.completion_ids[k]] - 0.25 if k >= 0 else 0.0
+                assert batch.adv[i][t].item() == pytest.approx(want, abs=1e-5)
+    assert stats["value_mean"] == pytest.approx(0.25)
 
 
 def test_lora_sync_ships_adapter_only(tiny_model_dir):
@@ -304,3 +391,121 @@ def test_eta0_async_loop_equals_a_synchronous_step(tiny_model_dir, tmp_path):
     # near-zero-gradient entries that Adam's normalisation amplifies).
     assert (async_delta - sync_delta).norm() / sync_delta.norm() < 1e-2
     assert torch.nn.functional.cosine_similarity(async_delta, sync_delta, dim=0) > 0.998
+
+
+@pytest.mark.slow
+def test_ppo_runs_in_the_loop_and_resumes_its_critic(tiny_model_dir, tmp_path):
+    """algorithm=ppo trains through the loop (one episode per group: no group baseline), logs
+    value_loss and explained_variance, and a resumed run continues from the saved critic."""
+    from trainer.loop import Trainer
+
+    class Recording(Trainer):
+        def _build(self):
+            super()._build()
+            assert self.critic is not None
+            self.initial = {k: v.clone() for k, v in self.critic.params.items()}
+
+        def _restore(self):
+            found = super()._restore()
+            assert self.critic is not None
+            self.restored = {k: v.clone() for k, v in self.critic.params.items()}
+            return found
+
+    out = tmp_path / "run"
+    overrides = [
+        "env.id=areal/Calculator-v0",
+        "env.kwargs={kind: arithmetic}",
+        f"model.path={tiny_model_dir}",
+        "model.dtype=float32",
+        "algorithm=ppo",
+        "rollout.group_size=1",
+        "rollout.batch_size=2",
+        "rollout.max_head_offpolicyness=1",
+        "sampling.max_new_tokens=8",
+        "critic.lr=1e-3",
+        "train.save_every=1",
+        "metrics.tensorboard=false",
+        f"train.output_dir={out}",
+    ]
+    first = Recording(load_config(None, [*overrides, "train.steps=1"]), quiet=True)
+    summary = asyncio.run(first.run())
+    assert math.isfinite(summary["value_loss"]) and summary["value_loss"] > 0
+    assert math.isfinite(summary["explained_variance"])
+    assert first.critic is not None
+    saved = {k: v.clone() for k, v in first.critic.params.items()}
+    assert any(not torch.equal(saved[k], first.initial[k]) for k in saved), "critic unchanged"
+    assert (out / "checkpoints" / "step-000001" / "critic" / "weights.safetensors").exists()
+
+    second = Recording(load_config(None, [*overrides, "train.steps=2"]), resume=True, quiet=True)
+    asyncio.run(second.run())
+    assert all(torch.equal(second.restored[k], saved[k]) for k in saved)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("value_loss" in r and "explained_variance" in r for r in rows)
+    assert second.critic is not None
+    assert any(not torch.equal(second.critic.params[k], saved[k]) for k in saved)
+
+
+def test_dapo_overlong_penalty_reaches_the_returns_by_hand():
+    """L_max = 10, L_cache = 4: lengths 5, 8, 10 get 0, (6 - 8) / 4 = -0.5 and -1. One group
+    of three one-turn episodes with final reward 1 each: returns [1, 0.5, 0] -> GRPO
+    advantages (R - mean) / std = [1, 0, -1]; the recorded episodes keep their rewards."""
+    from trainer.algorithms import OverlongSpec
+
+    spec = dataclasses.replace(ALGORITHMS["dapo"], overlong=OverlongSpec(cache_len=4))
+    eps = []
+    for k, n in enumerate((5, 8, 10)):
+        ep = Episode(f"e{k}", group_id="g0")
+        ep.add(
+            Completion(
+                f"c{k}",
+                [{"role": "user", "content": "q"}],
+                [1, 2, 3],
+                list(range(10, 10 + n)),
+                [-0.5] * n,
+                [0] * n,
+                {"role": "assistant", "content": "a"},
+                "length" if n == 10 else "stop",
+            )
+        )
+        ep.final_reward = 1.0
+        eps.append(ep)
+    batch, stats = build_batch(eps, spec, 1.0, 10)
+    assert [float(a[-1]) for a in batch.adv] == pytest.approx([1.0, 0.0, -1.0], abs=1e-4)
+    assert stats["overlong_penalty_mean"] == pytest.approx(-0.5)
+    assert stats["overlong_fraction"] == pytest.approx(2 / 3)
+    assert [c.reward for ep in eps for c in ep.completions] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_kl_penalty_uses_the_starting_weights_as_reference(tiny_model_dir, lora):
+    """ref_logprobs are the starting policy's (LoRA: adapter off; full: a frozen copy); with
+    loss.kl_coef > 0 a training step reports KL 0 at first and > 0 after the policy moved."""
+    lora_cfg = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    policy = Policy(
+        str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        lr=5e-2,
+        lora=lora_cfg if lora else None,
+        reference=True,
+    )
+    eps = _episodes(policy)
+    cfg = load_config(
+        None, ["env.id=areal/Calculator-v0", "loss.kl_coef=0.1", "loss.proximal=loglinear"]
+    )
+    spec = _algorithm(cfg)
+    assert spec.loss.kl_coef == 0.1
+    start = policy.logprobs([eps[0].completions[0].prompt_ids], 1.0)
+    kls = []
+    for version in range(2):
+        batch, _ = build_batch(eps, spec, 1.0, 16)
+        batch.ref = policy.ref_logprobs(batch.seqs, 1.0, 64, batch.mask)
+        stats = policy.train_step(
+            batch.seqs, make_loss_fn(batch, spec, cfg, version), 1.0, 64, batch.mask
+        )
+        kls.append(stats["kl"] / stats["tokens"])
+    assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[1] > 1e-6
+    (ref,) = policy.ref_logprobs([eps[0].completions[0].prompt_ids], 1.0)
+    (now,) = policy.logprobs([eps[0].completions[0].prompt_ids], 1.0)
+    assert torch.allclose(ref, start[0], atol=1e-5) and not torch.allclose(now, ref, atol=1e-4)

@@ -12,6 +12,7 @@ from trainer.loss import (
     aggregate,
     approx_proximal_logp,
     entropy_from_logits,
+    explained_variance,
     logprobs_from_logits,
     m2po_mask,
     policy_loss,
@@ -309,6 +310,45 @@ def test_value_loss_by_hand():
         v, torch.tensor([[1.0]]), torch.tensor([[2.0]]), torch.ones(1, 1), clip=None
     )
     assert loss.item() == approx(0.125)
+
+
+def test_weighted_value_loss_and_its_gradient_by_hand():
+    # clip 0.2, weights [0.25, 0.75]
+    # token 0: v 1.5, old 1.0, R 2.0: (1.5 - 2)^2 = 0.25; v_clip = 1.2, (1.2 - 2)^2 = 0.64
+    #          -> the clipped term is larger: 0.5 * 0.64 = 0.32, and its gradient is 0
+    # token 1: v 0.9, old 1.0, R 1.0: within the clip, 0.5 * 0.01 = 0.005, grad 0.75 * -0.1
+    # loss = 0.25 * 0.32 + 0.75 * 0.005 = 0.08375
+    v = torch.tensor([[1.5, 0.9]], requires_grad=True)
+    loss, stats = value_loss(
+        v,
+        torch.tensor([[1.0, 1.0]]),
+        torch.tensor([[2.0, 1.0]]),
+        torch.ones(1, 2),
+        weights=torch.tensor([[0.25, 0.75]]),
+    )
+    assert loss.item() == approx(0.08375)
+    assert stats["value_clip_fraction"] == approx(0.25)  # weighted
+    assert stats["value_mean"] == approx(0.25 * 1.5 + 0.75 * 0.9)
+    loss.backward()
+    assert grad(v)[0].tolist() == pytest.approx([0.0, -0.075])
+    # moving away from the old value is allowed when it lowers the error:
+    # v 1.5, old 1.0, R 1.1: (0.4)^2 = 0.16 > (1.2 - 1.1)^2 = 0.01 -> 0.5 * 0.16 = 0.08
+    loss, stats = value_loss(
+        torch.tensor([[1.5]]), torch.tensor([[1.0]]), torch.tensor([[1.1]]), torch.ones(1, 1)
+    )
+    assert loss.item() == approx(0.08) and stats["value_clip_fraction"] == 0.0
+
+
+def test_explained_variance_by_hand():
+    # R - V = [0, 1]: Var 0.5 (Bessel); Var(R) = Var([1, 3]) = 2 -> 1 - 0.5 / 2 = 0.75
+    ev = explained_variance(torch.tensor([1.0, 2.0, 7.0]), torch.tensor([1.0, 3.0, 0.0]),
+                            torch.tensor([1, 1, 0]))  # fmt: skip
+    assert ev == approx(0.75)
+    assert explained_variance(torch.tensor([0.5, 2.0]), torch.tensor([1.0, 3.0]), torch.ones(2)) < 1
+    assert (
+        explained_variance(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 3.0]), torch.ones(2)) == 1
+    )
+    assert explained_variance(torch.zeros(2), torch.ones(2), torch.ones(2)) == 0.0  # constant R
 
 
 def test_logprobs_follow_the_engine_convention():

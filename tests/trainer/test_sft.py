@@ -49,3 +49,73 @@ def test_demo_file_errors_name_the_line(tmp_path):
         load_demos(bad)
     with pytest.raises(ConfigError, match="areal-agent demos"):
         load_demos(tmp_path / "missing.jsonl")
+
+
+def test_sft_config_needs_demos_or_generate():
+    from trainer.config import load_config
+
+    with pytest.raises(ConfigError, match=r"sft\.demos.*sft\.generate"):
+        load_config(None, ["env.id=areal/Calculator-v0", "sft.enabled=true"])
+    cfg = load_config(
+        None,
+        [
+            "env.id=areal/Calculator-v0",
+            "sft.enabled=true",
+            "sft.generate=16",
+            "sft.generate_kwargs={kind: arithmetic}",
+        ],
+    )
+    assert cfg.sft.generate == 16 and cfg.sft.generate_kwargs == {"kind": "arithmetic"}
+
+
+@pytest.mark.slow
+def test_generated_warm_start_is_checkpointed_as_step_0_and_not_redone(tiny_model_dir, tmp_path):
+    """sft.generate writes the env's demos into the run, the warm-started weights are saved
+    as checkpoint step 0 with the elapsed time, and a resumed run does not warm-start again."""
+    import asyncio
+    import json
+
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    class Counting(Trainer):
+        warm_starts = 0
+
+        def _warm_start(self):
+            Counting.warm_starts += 1
+            super()._warm_start()
+
+    out = tmp_path / "run"
+    overrides = [
+        "env.id=areal/Calculator-v0",
+        "env.kwargs={kind: arithmetic}",
+        f"model.path={tiny_model_dir}",
+        "model.dtype=float32",
+        "model.lora.enabled=true",
+        "rollout.group_size=2",
+        "rollout.batch_size=1",
+        "sampling.max_new_tokens=8",
+        "sft.enabled=true",
+        "sft.generate=8",
+        "sft.generate_kwargs={kind: arithmetic}",
+        "sft.lr=1e-3",
+        "train.save_every=1",
+        "metrics.tensorboard=false",
+        f"train.output_dir={out}",
+    ]
+    asyncio.run(Counting(load_config(None, [*overrides, "train.steps=1"]), quiet=True).run())
+    lines = (out / "sft_demos.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and all(
+        json.loads(x)["messages"][-1]["role"] == "assistant" for x in lines
+    )
+    step0 = out / "checkpoints" / "step-000000"
+    assert (step0 / "model" / "adapter_config.json").exists()
+    state0 = json.loads((step0 / "state.json").read_text())
+    assert state0["step"] == 0 and state0["elapsed_s"] > 0
+    state1 = json.loads((out / "checkpoints" / "step-000001" / "state.json").read_text())
+    assert state1["elapsed_s"] > state0["elapsed_s"]
+    assert Counting.warm_starts == 1
+    asyncio.run(
+        Counting(load_config(None, [*overrides, "train.steps=2"]), resume=True, quiet=True).run()
+    )
+    assert Counting.warm_starts == 1  # resumed from step 1: no second warm start

@@ -1,0 +1,45 @@
+"""examples/agents/algorithms/: one documented config per algorithm, each one a valid run.
+
+A new algorithm in ``trainer.algorithms`` without a config here fails
+``test_one_config_per_algorithm``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.algorithms import ALGORITHMS
+from trainer.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "examples" / "agents" / "algorithms"
+
+
+def test_one_config_per_algorithm():
+    assert {p.stem for p in CONFIGS.glob("*.yaml")} == set(ALGORITHMS)
+    assert not [p.name for p in CONFIGS.iterdir() if p.suffix != ".yaml"]
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_config_is_a_short_lora_calculator_run_and_passes_dry_run(name):
+    path = CONFIGS / f"{name}.yaml"
+    cfg = load_config(path)
+    assert cfg.algorithm == name
+    assert cfg.env.id == "areal/Calculator-v0"
+    assert cfg.model.path is None and cfg.model.lora.enabled  # the default model, LoRA
+    assert cfg.train.steps <= 20 and cfg.train.output_dir == f"runs/{name}"
+    text = path.read_text()
+    assert text.startswith("# ") and f"--config examples/agents/algorithms/{name}.yaml" in text
+    out = subprocess.run(
+        [sys.executable, "-m", "areal_agents.cli", "train", "--config", str(path), "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"algorithm: {name}\n" in out.stdout

@@ -1,0 +1,274 @@
+"""The PPO critic: a value model beside the policy, and where its GAE inputs come from.
+
+Choices made:
+
+* A separate model, not a head on the policy: the policy's backbone (``AutoModel``, without
+  the vocabulary projection) loaded again from the same weights (or ``critic.path``) plus a
+  scalar linear head in float32. Policy and critic have their own optimizers and losses, so
+  neither loss scale leaks into the other's update, the weights shipped to the inference
+  engine are the policy's alone, and either can be LoRA-trained. With ``model.lora`` the
+  critic gets the same adapters (its head is always trained in full).
+* The head starts small, ``W ~ N(0, 1 / (hidden + 1)^2)``, ``b = 0``: values start near 0
+  (about ``1 / sqrt(hidden)``) and the backbone gets a gradient from the first step.
+* Values are per token and aligned with the policy's logprobs: for a sequence x_0..x_{n-1}
+  the value at index t (t = 0..n-2) is the head on the hidden state after x_0..x_t, the
+  state in which x_{t+1} is sampled. Sequences are packed as for the policy.
+* Rewards are placed per the data contract: completion c's reward r(c) (its per-turn
+  rewards, plus the final reward when c is a leaf) sits on c's last output token. The
+  discount gamma (``rollout.gamma``) applies once per turn, after a completion's last token;
+  tokens inside a completion are not discounted. A sample whose last completion has
+  children in other samples continues into them (``tree_gae``), so with lambda = 1 GAE's
+  returns are exactly ``Episode.returns``. A truncated episode's leaves bootstrap from the
+  value before their last token; a terminated episode's leaves end at 0. (A completion
+  without output tokens has no token to carry its reward.)
+* ``critic_targets``: the advantages may be whitened over the step's tokens; the returns
+  ``A + V_old``, the critic's targets, never are. ``explained_variance`` is measured on
+  the values the advantages came from.
+* The value loss (``trainer.loss.value_loss``) uses the policy loss's per-token weights, so
+  each episode weighs the same in both losses.
+* ``save`` / ``load`` keep the trained tensors (the whole model, or the adapters and the
+  head) and the optimizer state; a checkpoint of the wrong shape is refused by name.
+
+Left out: a value head sharing the policy's backbone, value-model warm-up before PPO,
+several critic epochs per batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from areal_agents.errors import ConfigError
+
+from .advantage import tree_gae, whiten
+from .loss import explained_variance
+from .policy import Packed, make_packed, pack
+
+if TYPE_CHECKING:
+    from areal_agents.trajectory import Episode, TrainingSample
+
+    from .algorithms import AdvantageSpec, LossSpec
+
+ValueLossFn = Callable[[list[int], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+"""(item indices, per-item token values [len-1]) -> (loss, stats)."""
+
+
+class Critic:
+    """A value model: the policy's backbone with a scalar head, and its optimizer."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+        lora: dict[str, Any] | None = None,
+        activation_checkpointing: bool = False,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float = 1.0,
+        compute_lock: Any = None,
+    ) -> None:
+        from transformers import AutoModel
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        backbone = AutoModel.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        hidden = int(backbone.config.hidden_size)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(task_type="FEATURE_EXTRACTION", **lora)
+            backbone = get_peft_model(backbone, config)
+        if activation_checkpointing:
+            backbone.gradient_checkpointing_enable()
+            if lora:
+                backbone.enable_input_require_grads()
+        head = torch.nn.Linear(hidden, 1, dtype=torch.float32)
+        torch.nn.init.normal_(head.weight, std=1.0 / (hidden + 1))
+        torch.nn.init.zeros_(head.bias)
+        self.model = torch.nn.ModuleDict({"backbone": backbone, "head": head}).to(self.device)
+        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(
+            list(self.params.values()), lr=lr, weight_decay=weight_decay, betas=betas
+        )
+        self.grad_clip = grad_clip
+        self._compute = compute_lock or contextlib.nullcontext()
+
+    def _forward(self, packed: Packed) -> torch.Tensor:
+        out = self.model["backbone"](
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+        )
+        return self.model["head"](out.last_hidden_state[0].float()).squeeze(-1)
+
+    @torch.no_grad()
+    def values(
+        self, seqs: Sequence[Sequence[int]], micro_batch_tokens: int = 4096
+    ) -> list[torch.Tensor]:
+        """Per sequence, the value at tokens 0..n-2 (before tokens 1..n-1; float32, CPU)."""
+        was_training = self.model.training
+        self.model.eval()
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(seqs)
+        for group in pack([len(s) for s in seqs], micro_batch_tokens):
+            packed = make_packed(seqs, group, self.device)
+            with self._compute:
+                v = self._forward(packed)
+            for i, s, e in packed.spans:
+                out[i] = v[s : e - 1].cpu()
+        self.model.train(was_training)
+        return out
+
+    def train_step(
+        self, seqs: Sequence[Sequence[int]], loss_fn: ValueLossFn, micro_batch_tokens: int = 4096
+    ) -> dict[str, float]:
+        """One optimizer step over all ``seqs`` with gradient accumulation."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for group in pack([len(s) for s in seqs], micro_batch_tokens):
+            packed = make_packed(seqs, group, self.device)
+            with self._compute:
+                v = self._forward(packed)
+                items = [i for i, _, _ in packed.spans]
+                loss, stats = loss_fn(items, [v[s : e - 1] for _, s, e in packed.spans])
+                loss.backward()
+            for k, x in stats.items():
+                totals[k] = totals.get(k, 0.0) + float(x)
+        with self._compute:
+            norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.grad_clip)
+            if math.isfinite(float(norm)):
+                self.optimizer.step()
+        totals["value_grad_norm"] = float(norm)
+        return totals
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, directory: str | Path) -> None:
+        """The trained tensors (``weights.safetensors``) and the optimizer state."""
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tensors = {n: p.detach().cpu().contiguous() for n, p in self.params.items()}
+        save_file(tensors, str(d / "weights.safetensors"))
+        torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+
+    def load(self, directory: str | Path) -> None:
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        if not (d / "weights.safetensors").exists():
+            raise ConfigError(
+                f"{d.parent} has no critic; it was written by a run without one. Resume it "
+                "with the algorithm it was trained with, or set train.output_dir to a new one"
+            )
+        tensors = load_file(str(d / "weights.safetensors"))
+        if set(tensors) != set(self.params):
+            missing = sorted(set(self.params) - set(tensors))
+            extra = sorted(set(tensors) - set(self.params))
+            raise ConfigError(
+                f"the critic in {d} does not fit this run's critic (missing {missing[:3]}, "
+                f"unexpected {extra[:3]}); resume with the model and model.lora it was written "
+                "with, or set train.output_dir to a new directory"
+            )
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(tensors[n].to(p.device, p.dtype))
+        self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=False))
+
+
+# ---------------------------------------------------------------------------- GAE inputs
+@dataclass
+class GaeInputs:
+    """Per training sample, the inputs of ``tree_gae`` besides the values (tokens 1..n-1)."""
+
+    rewards: list[torch.Tensor] = field(default_factory=list)
+    discounts: list[torch.Tensor] = field(default_factory=list)
+    children: list[list[int]] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+
+    def extend(self, other: GaeInputs) -> None:
+        """Append ``other``'s samples, shifting its sample indices past this one's."""
+        offset = len(self.rewards)
+        self.rewards += other.rewards
+        self.discounts += other.discounts
+        self.children += [[j + offset for j in kids] for kids in other.children]
+        self.truncated += other.truncated
+
+
+def gae_inputs(episode: Episode, samples: Sequence[TrainingSample], gamma: float) -> GaeInputs:
+    """Rewards, discounts and links of one episode's ``samples`` (see the module docstring).
+
+    ``samples`` are ``episode.samples(gamma)[0]``: children follow their parents, and a
+    completion with children in other samples is the last of its own sample.
+    """
+    kids = episode.children()
+    by_id = {c.id: c for c in episode.completions}
+    owner = {cid: i for i, s in enumerate(samples) for cid in s.completion_ids}
+    final = episode.final_reward or 0.0
+    out = GaeInputs()
+    for s in samples:
+        tokens = s.token_completion[1:]
+        rewards, discounts = torch.zeros(len(tokens)), torch.ones(len(tokens))
+        last = {k: t for t, k in enumerate(tokens) if k >= 0}
+        for k, t in last.items():
+            c = by_id[s.completion_ids[k]]
+            rewards[t] = c.reward + (final if not kids[c.id] else 0.0)
+            discounts[t] = gamma
+        children = sorted(owner[k] for k in kids[s.completion_ids[-1]])
+        assert all(samples[j].completion_ids[0] in kids[s.completion_ids[-1]] for j in children)
+        out.rewards.append(rewards)
+        out.discounts.append(discounts)
+        out.children.append(children)
+        out.truncated.append(not children and episode.end_reason == "truncated")
+    return out
+
+
+def critic_targets(
+    gae: GaeInputs, values: list[torch.Tensor], masks: list[torch.Tensor], spec: AdvantageSpec
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
+    """Per sample, the advantages (whitened over all samples' tokens when ``spec.whiten``)
+    and the returns ``A + V`` (the value targets, never whitened) by ``tree_gae`` with
+    ``spec.lam``, and their metrics (``explained_variance`` of the values before the step)."""
+    adv, ret = tree_gae(
+        gae.rewards, values, masks, gae.discounts, gae.children, spec.lam, truncated=gae.truncated
+    )
+    mask, flat = torch.cat(masks).bool(), torch.cat(adv)
+    if spec.whiten:
+        flat = whiten(flat, mask)
+    used, v, r = flat[mask], torch.cat(values)[mask], torch.cat(ret)[mask]
+    stats = {
+        "adv_mean": float(used.mean()) if used.numel() else 0.0,
+        "adv_std": float(used.std()) if used.numel() > 1 else 0.0,
+        "adv_abs_max": float(used.abs().max()) if used.numel() else 0.0,
+        "value_mean": float(v.mean()) if v.numel() else 0.0,
+        "return_mean": float(r.mean()) if r.numel() else 0.0,
+        "explained_variance": explained_variance(v, r, torch.ones_like(v)),
+    }
+    return list(flat.split([m.numel() for m in masks])), ret, stats
+
+
+def value_loss_fn(
+    loss: LossSpec,
+    old_values: list[torch.Tensor],
+    returns: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    weights: list[torch.Tensor],
+) -> ValueLossFn:
+    """The ``Critic.train_step`` callback: ``loss.value_loss`` (clipped by ``loss.value_clip``)
+    over a micro-batch, with the policy loss's per-token ``weights``."""
+
+    def fn(items: list[int], values: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        def pad(xs: list[torch.Tensor]) -> torch.Tensor:
+            padded = torch.nn.utils.rnn.pad_sequence([xs[i] for i in items], batch_first=True)
+            return padded.to(values[0].device)
+
+        v = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
+        return loss.value_loss(v, pad(old_values), pad(returns), pad(masks), pad(weights))
+
+    return fn
