@@ -1,0 +1,321 @@
+"""Asynchronous against synchronous RL when tools are slow: wall-clock to the same training.
+
+The same training config runs twice through ``trainer.loop.Trainer`` (the code path of
+``areal-agent train``), once with ``rollout.max_head_offpolicyness=0`` (synchronous: the
+baseline) and once with ``--eta`` (asynchronous, 4 by default). The env is
+``bench/SlowCalculator-v0`` (``rl_common.py``): the two-turn calculator task (call the
+calculator, read the result, answer) whose every step, running the tool call or grading the
+answer, takes a seeded heavy-tailed time: log-normal, median 0.5 s, clipped to [0.2, 2] s.
+
+Measured for each run: wall-clock from the start of rollouts to the end of the last step
+(the same number of steps, so the same number of trained episodes), episodes trained per
+second, the training reward (all steps, and the last half), and, with ``--eval-episodes``,
+greedy success of the final model on held-out tasks (the same tasks for both, without the
+delays). Printed: both, and the speed-up (synchronous wall / asynchronous wall).
+
+Why asynchronous wins here. Synchronously, a step's ``batch_size x group_size`` episodes
+start together after the previous step's weights reach the engine, and the step trains only
+when the slowest of them is done: while most episodes wait on a tool, and while the trainer
+trains, nothing else runs, and with heavy-tailed tool times the slowest episode of a batch is
+usually near the 2 s clip on every turn. Asynchronously, the staleness gate keeps up to
+``(eta + 1) x batch_size`` groups in flight: while some episodes wait on tools, others
+generate, the trainer trains on the first groups to finish, and generation of the next
+groups overlaps training. The settings let that happen: ``rollout.concurrency`` (the same in
+both runs; the synchronous gate never fills it) is ``(eta + 1) x batch_size x group_size``,
+so the gate, not the runner, bounds the episodes in flight, and the engine batches them all
+(its ``max_batch_size`` follows ``rollout.concurrency``); env steps run on the runner's
+thread pool (64 threads), so sleeping tools block no one.
+
+What bounds the speed-up: the time the machine is busy. On a CPU the engine and the trainer
+share the cores (their forward passes take turns), so asynchronous training can only fill
+the time the synchronous run leaves idle; the printed "CPU busy" column (process CPU time
+over wall time x threads) shows how much that was. The speed-up grows with tool latency
+over compute per episode (a smaller model or a GPU, slower tools, more tool turns).
+
+    python benchmarks/async_vs_sync.py [--model default|tiny|DIR] [--steps 12] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ENV_SEED = 2000
+EVAL_SEED = 7000
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--model", default="default", help="default, tiny, or a HF model directory")
+    ap.add_argument("--steps", type=int, default=12, help="training steps of each run")
+    ap.add_argument("--group-size", type=int, default=4, help="episodes per task")
+    ap.add_argument("--batch-size", type=int, default=2, help="groups per step")
+    ap.add_argument("--eta", type=int, default=4, help="max_head_offpolicyness of the async run")
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="rollout.concurrency of both runs (default: (eta + 1) x batch x group)",
+    )
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="per model call")
+    ap.add_argument("--max-turns", type=int, default=3, help="model calls per episode at most")
+    ap.add_argument("--few-shot", type=int, default=1, help="worked examples in the prompt")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lora-r", type=int, default=8)
+    ap.add_argument("--lora-alpha", type=float, default=16.0)
+    ap.add_argument("--no-lora", action="store_true", help="full fine-tuning instead of LoRA")
+    ap.add_argument("--delay-min", type=float, default=0.2, help="seconds")
+    ap.add_argument("--delay-max", type=float, default=2.0, help="seconds")
+    ap.add_argument("--delay-median", type=float, default=0.5, help="seconds, before clipping")
+    ap.add_argument("--delay-sigma", type=float, default=1.0, help="log-sd of the delay")
+    ap.add_argument(
+        "--eval-episodes", type=int, default=64, help="greedy held-out episodes per final model"
+    )
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--order", choices=("sync-first", "async-first"), default="sync-first")
+    ap.add_argument("--out", default="runs/bench/async_vs_sync", help="where the runs write")
+    ap.add_argument("--keep", action="store_true", help="keep final models and checkpoints")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 4 steps, 2 groups of 2, 24 new tokens, 8 eval episodes",
+    )
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.group_size, args.batch_size = 4, 2, 2
+        args.max_new_tokens, args.eval_episodes = 24, min(args.eval_episodes, 8)
+    if args.group_size < 2:
+        ap.error("--group-size must be >= 2 (GRPO normalizes within a group)")
+    if args.eta < 1:
+        ap.error("--eta must be >= 1 (the asynchronous run); the baseline always uses 0")
+    if args.concurrency is None:
+        args.concurrency = (args.eta + 1) * args.batch_size * args.group_size
+    return args
+
+
+def env_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "kind": "arithmetic",
+        "few_shot": args.few_shot,
+        "delay_min": args.delay_min,
+        "delay_max": args.delay_max,
+        "delay_median": args.delay_median,
+        "delay_sigma": args.delay_sigma,
+    }
+
+
+def delay_summary(args: argparse.Namespace, n: int = 20_000) -> str:
+    """Mean and quantiles of one env step's delay (the distribution the env samples)."""
+    rng = random.Random(0)
+    xs = sorted(
+        min(
+            max(rng.lognormvariate(math.log(args.delay_median), args.delay_sigma), args.delay_min),
+            args.delay_max,
+        )
+        for _ in range(n)
+    )
+    q = {p: xs[int(p / 100 * (n - 1))] for p in (50, 90, 99)}
+    batch = args.batch_size * args.group_size
+    slowest = statistics.fmean(max(rng.choice(xs) for _ in range(batch)) for _ in range(2000))
+    return (
+        f"env step delay: mean {statistics.fmean(xs):.2f} s, p50 {q[50]:.2f}, p90 {q[90]:.2f}, "
+        f"p99 {q[99]:.2f} (clipped to [{args.delay_min:g}, {args.delay_max:g}]); "
+        f"slowest of {batch} episodes: {slowest:.2f} s on average"
+    )
+
+
+def make_config(args: argparse.Namespace, model: str, eta: int, out: Path) -> Any:
+    from rl_common import SLOW_ENV_ID
+
+    from trainer.config import load_config
+
+    kwargs = ", ".join(f"{k}: {v}" for k, v in env_kwargs(args).items())
+    lora = (
+        [
+            "model.lora.enabled=true",
+            f"model.lora.r={args.lora_r}",
+            f"model.lora.alpha={args.lora_alpha}",
+            f"model.lora.target_modules=[{', '.join(TARGETS)}]",
+        ]
+        if not args.no_lora
+        else []
+    )
+    overrides = [
+        f"env.id={SLOW_ENV_ID}",
+        f"env.kwargs={{{kwargs}}}",
+        f"env.seed={ENV_SEED}",
+        f"model.path={model}",
+        *lora,
+        "algorithm=grpo",
+        "sampling.temperature=1.0",
+        f"sampling.max_new_tokens={args.max_new_tokens}",
+        f"rollout.group_size={args.group_size}",
+        f"rollout.batch_size={args.batch_size}",
+        f"rollout.max_head_offpolicyness={eta}",
+        f"rollout.concurrency={args.concurrency}",
+        f"rollout.max_turns={args.max_turns}",
+        "loss.proximal=loglinear",
+        f"optim.lr={args.lr}",
+        "train.micro_batch_tokens=2048",
+        f"train.steps={args.steps}",
+        f"train.save_every={args.steps}",
+        f"train.seed={args.seed}",
+        f"train.output_dir={out}",
+        "metrics.tensorboard=false",
+    ]
+    return load_config(None, overrides)
+
+
+async def evaluate_model(args: argparse.Namespace, path: str) -> Any:
+    """Greedy success of the model at ``path`` on held-out tasks (test split, no delays)."""
+    from areal_agents.chat import ChatTokenizer
+    from areal_agents.embedded import EmbeddedEngine
+    from areal_agents.evaluate import evaluate
+    from areal_agents.proxy import Proxy
+    from areal_agents.runner import Runner
+    from envs.registry import make
+
+    tok = ChatTokenizer.from_dir(path)
+    n = args.eval_episodes
+    engine = EmbeddedEngine.from_pretrained(path, decode=tok.decode, max_batch_size=n)
+    runner = Runner(
+        Proxy(engine, tok),
+        concurrency=n,
+        max_turns=args.max_turns,
+        sampling={"temperature": 0.0, "max_tokens": args.max_new_tokens},
+    )
+    kwargs = {"kind": "arithmetic", "few_shot": args.few_shot, "split": "test"}
+    try:
+        report, _ = await evaluate(
+            runner,
+            lambda: make("areal/Calculator-v0", **kwargs),
+            env_id="areal/Calculator-v0",
+            episodes=n,
+            seed=EVAL_SEED,
+        )
+    finally:
+        await engine.close()
+    return report
+
+
+def run_one(args: argparse.Namespace, model: str, eta: int, out: Path) -> dict[str, Any]:
+    from rl_common import TimedTrainer
+
+    name = "sync" if eta == 0 else "async"
+    print(f"\n== {name} (max_head_offpolicyness={eta}) -> {out}", flush=True)
+    trainer = TimedTrainer(make_config(args, model, eta, out), quiet=args.quiet)
+    summary = asyncio.run(trainer.run())
+    stats, n = trainer.step_stats, len(trainer.step_stats)
+    wall = trainer.step_ends[-1] - trainer.t_start
+    cpu = trainer.cpu_ends[-1] - trainer.cpu_start
+    episodes = sum(trainer.episodes_per_step)
+    half = stats[n // 2 :]
+    row: dict[str, Any] = {
+        "name": name,
+        "eta": eta,
+        "wall_s": wall,
+        "episodes": episodes,
+        "episodes_per_s": episodes / wall,
+        "s_per_step": wall / n,
+        "cpu_busy": cpu / (wall * args.threads),
+        "reward_all": statistics.fmean(s["reward_mean"] for s in stats),
+        "reward_last_half": statistics.fmean(s["reward_mean"] for s in half),
+        "success_last_half": statistics.fmean(s["success_rate"] for s in half),
+        "staleness_mean": statistics.fmean(s["staleness_mean"] for s in stats),
+        "wait_s": sum(s["wait_s"] for s in stats),
+        "train_s": sum(s["train_s"] for s in stats),
+        "engine": trainer.engine_stats(),
+        "eval": None,
+    }
+    final = summary.get("final_model")
+    if args.eval_episodes and final:
+        report = asyncio.run(evaluate_model(args, final))
+        row["eval"] = report.success_rate
+        row["eval_episodes"] = report.episodes
+    if not args.keep:
+        shutil.rmtree(out / "final", ignore_errors=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.path.insert(0, str(HERE))
+    from rl_common import load_average, resolve_bench_model, set_threads
+
+    args.threads = set_threads(args.threads)
+    model = resolve_bench_model(args.model)
+    root = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    lora = "full fine-tuning" if args.no_lora else f"LoRA r={args.lora_r} alpha={args.lora_alpha:g}"
+    print(
+        f"model {model} ({lora}), {args.threads} threads; {args.steps} steps x "
+        f"{args.batch_size} groups x {args.group_size} episodes, <= {args.max_new_tokens} "
+        f"tokens per call, <= {args.max_turns} calls per episode; async eta={args.eta}, "
+        f"rollout.concurrency={args.concurrency}; load {load_average()}"
+    )
+    print(delay_summary(args), flush=True)
+    etas = [0, args.eta] if args.order == "sync-first" else [args.eta, 0]
+    rows = {
+        eta: run_one(args, model, eta, root / ("sync" if eta == 0 else "async")) for eta in etas
+    }
+    sync, asyn = rows[0], rows[args.eta]
+    print(f"\nload after the runs: {load_average()}")
+    print(
+        "| run | wall s | episodes | episodes/s | s/step | CPU busy | reward (all) | "
+        "reward (last half) | eval success | staleness | trainer waited s | trained s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in (sync, asyn):
+        ev = "-" if row["eval"] is None else f"{row['eval']:.1%} of {row['eval_episodes']}"
+        print(
+            f"| {row['name']} (eta={row['eta']}) | {row['wall_s']:.1f} | {row['episodes']} | "
+            f"{row['episodes_per_s']:.2f} | {row['s_per_step']:.1f} | {row['cpu_busy']:.0%} | "
+            f"{row['reward_all']:.3f} | {row['reward_last_half']:.3f} | {ev} | "
+            f"{row['staleness_mean']:.2f} | {row['wait_s']:.1f} | {row['train_s']:.1f} |"
+        )
+    for row in (sync, asyn):
+        eng = row["engine"]
+        print(
+            f"engine ({row['name']}): {eng.get('requests', 0)} requests, "
+            f"{eng.get('prefills', 0)} prefills, {eng.get('decode_steps', 0)} decode steps, "
+            f"{eng.get('output_tokens', 0)} output tokens"
+        )
+    print(
+        f"speed-up (sync wall / async wall) to {args.steps} steps: "
+        f"{sync['wall_s'] / asyn['wall_s']:.2f}x"
+    )
+    # Noise of a mean of 0/1 rewards over the episodes of the last half of the steps.
+    for key, label, count in (
+        ("reward_last_half", "training reward, last half", sync["episodes"] / 2),
+        ("eval", "eval success", sync.get("eval_episodes") or 0),
+    ):
+        if sync[key] is None or not count:
+            continue
+        p = (sync[key] + asyn[key]) / 2
+        se = math.sqrt(max(p * (1 - p), 1e-9) * 2 / count)
+        print(
+            f"{label}: async - sync = {asyn[key] - sync[key]:+.3f} "
+            f"(standard error of the difference ~{se:.3f})"
+        )
+
+
+if __name__ == "__main__":
+    main()

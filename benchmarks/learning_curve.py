@@ -1,0 +1,142 @@
+"""Held-out success of a training run's checkpoints against wall-clock minutes.
+
+For each run directory (``areal-agent train ... train.output_dir=DIR``) every checkpoint
+``DIR/checkpoints/step-N`` is evaluated greedily with ``areal-agent eval`` on the *test* split
+of the run's env (the run's own ``config.yaml`` gives the env, its kwargs, the model and the
+token / turn limits; the checkpoint's LoRA adapter is applied with ``--adapter``). Step 0 is
+the warm-started model when the run had ``sft.enabled``. The x axis is the run's wall-clock
+time when the checkpoint was written (``state.json: elapsed_s``, warm start included);
+evaluation time is not part of it.
+
+    python benchmarks/learning_curve.py runs/calc-s0 runs/calc-s1 --episodes 128 \\
+        --png benchmarks/learning_curve.png
+
+Reports are cached in ``step-N/eval/report.json``; a rerun only evaluates new checkpoints.
+Prints one markdown table row per checkpoint and, per run, the gain of the last checkpoint
+over step 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def checkpoints(run: Path) -> list[Path]:
+    root = run / "checkpoints"
+    found = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    if not found:
+        raise SystemExit(f"{run}: no checkpoints under {root}; train with train.save_every > 0")
+    return found
+
+
+def evaluate(run: Path, ckpt: Path, episodes: int, seed: int, concurrency: int) -> dict[str, Any]:
+    out = ckpt / "eval"
+    cached = out / "report.json"
+    if cached.exists():
+        report: dict[str, Any] = json.loads(cached.read_text())
+        if report.get("episodes") == episodes:
+            return report
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    env_kwargs = {**(cfg["env"].get("kwargs") or {}), "split": "test"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_agents.cli",
+        "eval",
+        "--env",
+        cfg["env"]["id"],
+        "--env-kwargs",
+        json.dumps(env_kwargs),
+        "--adapter",
+        str(ckpt / "model"),
+        "--episodes",
+        str(episodes),
+        "--seed",
+        str(seed),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(cfg["sampling"]["max_new_tokens"]),
+        "--max-turns",
+        str(cfg["rollout"]["max_turns"]),
+        "--concurrency",
+        str(concurrency),
+        "--dtype",
+        "float32",
+        "--out",
+        str(out),
+    ]
+    if cfg["model"].get("path"):
+        cmd += ["--model", cfg["model"]["path"]]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    result: dict[str, Any] = json.loads(cached.read_text())
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="run directories (train.output_dir)")
+    ap.add_argument("--episodes", type=int, default=128, help="held-out problems per eval")
+    ap.add_argument("--seed", type=int, default=0, help="first held-out task seed")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--png", type=Path, default=None, help="write the plot here")
+    args = ap.parse_args(argv)
+
+    curves: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+    print("| run | step | minutes | success | arithmetic | word problems |")
+    print("|---|---|---|---|---|---|")
+    for run in args.runs:
+        points = []
+        for ckpt in checkpoints(run):
+            state = json.loads((ckpt / "state.json").read_text())
+            report = evaluate(run, ckpt, args.episodes, args.seed, args.concurrency)
+            minutes = float(state.get("elapsed_s", 0.0)) / 60
+            points.append((minutes, report))
+            kinds = report.get("by_kind", {})
+            print(
+                f"| {run.name} | {state['step']} | {minutes:.1f} | "
+                f"{report['success_rate']:.1%} | {kinds.get('arithmetic', 0.0):.1%} | "
+                f"{kinds.get('word', 0.0):.1%} |",
+                flush=True,
+            )
+        curves[run.name] = points
+    for name, points in curves.items():
+        first, last = points[0][1], points[-1][1]
+        gain = last["success_rate"] - first["success_rate"]
+        word = last.get("by_kind", {}).get("word", 0.0)
+        print(
+            f"{name}: {first['success_rate']:.1%} -> {last['success_rate']:.1%} "
+            f"({gain * 100:+.1f} points) in {points[-1][0]:.1f} min; word problems {word:.1%}"
+        )
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for name, points in curves.items():
+            xs = [m for m, _ in points]
+            (line,) = ax.plot(xs, [r["success_rate"] * 100 for _, r in points], "o-", label=name)
+            word = [r.get("by_kind", {}).get("word", 0.0) * 100 for _, r in points]
+            ax.plot(xs, word, "x--", color=line.get_color(), alpha=0.6, label=f"{name} (word)")
+        ax.set_xlabel("wall-clock minutes (warm start included)")
+        ax.set_ylabel(f"held-out success, % of {args.episodes}")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""benchmarks/async_vs_sync.py and benchmarks/trl_grpo.py: their envs, arguments, a smoke run."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import envs
+from envs import check_env
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import rl_common  # noqa: E402
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _call(number: str) -> dict:
+    args = f'{{"expression": "{number} + 1"}}'
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": args}}
+        ],
+    }
+
+
+def test_bench_envs_are_registered_and_pass_check_env():
+    ids = dict(envs.list_envs())
+    assert rl_common.SLOW_ENV_ID in ids and rl_common.ARITHMETIC_ENV_ID in ids
+    check_env(envs.make(rl_common.SLOW_ENV_ID, delay_min=0.0, delay_max=0.001), seed=0)
+    check_env(envs.make(rl_common.ARITHMETIC_ENV_ID), seed=0)
+
+
+def test_slow_env_delays_are_seeded_clipped_and_slept():
+    env = envs.make(rl_common.SLOW_ENV_ID, delay_min=0.01, delay_max=0.05, delay_median=0.03)
+    env.reset(seed=3)
+    delays = [env.step_delay(_call(str(i))) for i in range(200)]
+    assert all(0.01 <= d <= 0.05 for d in delays)
+    assert len(set(delays)) > 50, "different messages wait different times"
+    assert min(delays) == 0.01 and max(delays) == 0.05, "the log-normal tails are clipped"
+    again = envs.make(rl_common.SLOW_ENV_ID, delay_min=0.01, delay_max=0.05, delay_median=0.03)
+    again.reset(seed=3)
+    assert again.step_delay(_call("7")) == env.step_delay(_call("7"))
+    want = env.step_delay(_call("7"))
+    start = time.perf_counter()
+    obs, _, terminated, _, info = env.step(_call("7"))
+    assert time.perf_counter() - start >= want * 0.9
+    assert info["env_delay_s"] == want
+    assert obs[0]["role"] == "tool" and not terminated
+
+
+def test_arithmetic_env_is_single_turn_without_tools():
+    env = envs.make(rl_common.ARITHMETIC_ENV_ID)
+    messages, info = env.reset(seed=5)
+    assert info["tools"] == [] and [m["role"] for m in messages] == ["system", "user"]
+    _, reward, terminated, _, info = env.step(f"The answer is {env.task.answer}.")
+    assert (reward, terminated, info["success"]) == (1.0, True, True)
+    rows = rl_common.arithmetic_prompts(3, 5)
+    assert rows[0] == {"prompt": messages, "answer": env.task.answer}
+    assert len({r["answer"] + r["prompt"][1]["content"] for r in rows}) == 3
+
+
+def test_scripts_parse_their_quick_settings():
+    async_vs_sync, trl_grpo = _script("async_vs_sync"), _script("trl_grpo")
+    args = async_vs_sync.parse_args(["--quick"])
+    assert (args.steps, args.group_size, args.batch_size, args.eta) == (4, 2, 2, 4)
+    assert args.concurrency == (4 + 1) * 2 * 2
+    args = trl_grpo.parse_args(["--quick"])
+    assert (args.prompts, args.generations, args.max_completion_length, args.steps) == (
+        2,
+        2,
+        16,
+        2,
+    )
+    with pytest.raises(SystemExit):
+        async_vs_sync.parse_args(["--eta", "0"])
+
+
+@pytest.mark.slow
+def test_both_scripts_run_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path):
+    common = ["--model", str(tiny_model_dir), "--quiet", "--out", str(tmp_path)]
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "async_vs_sync.py"),
+            *common,
+            "--steps=2",
+            "--group-size=2",
+            "--batch-size=1",
+            "--eta=1",
+            "--max-new-tokens=4",
+            "--eval-episodes=2",
+            "--delay-min=0.01",
+            "--delay-max=0.05",
+            "--delay-median=0.02",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "speed-up (sync wall / async wall) to 2 steps" in out.stdout
+    assert "| sync (eta=0) |" in out.stdout and "| async (eta=1) |" in out.stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "trl_grpo.py"),
+            *common,
+            "--only=ours",
+            "--prompts=1",
+            "--generations=2",
+            "--max-completion-length=4",
+            "--steps=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| ours (eta=0) |" in out.stdout
