@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,7 @@ class EmbeddedEngine:
         max_context: int | None = None,
         version: int = 0,
         compute_lock: FairLock | None = None,
+        prefix_cache_entries: int = 32,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -133,7 +135,15 @@ class EmbeddedEngine:
         self._mask: torch.Tensor | None = None  # [B, T] 1 = real token, 0 = left pad
         self._paused = False
         self._closed = False
-        self._stats = {"requests": 0, "output_tokens": 0, "decode_steps": 0, "prefills": 0}
+        self._stats = {
+            "requests": 0,
+            "output_tokens": 0,
+            "decode_steps": 0,
+            "prefills": 0,
+            "prefill_tokens": 0,
+            "prefix_hit_tokens": 0,
+        }
+        self._prefixes = _PrefixCache(prefix_cache_entries)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
@@ -338,6 +348,7 @@ class EmbeddedEngine:
             req.interruptions += 1
         self._waiting = self._active + self._waiting
         self._active, self._cache, self._mask = [], None, None
+        self._prefixes.clear()  # cached keys and values belong to the old weights
         self.model = apply_weight_update(self.model, update)
         self.model.eval()
         self._version = update.version if update.version is not None else self._version + 1
@@ -357,15 +368,31 @@ class EmbeddedEngine:
             if req.started is None:
                 req.started = time.perf_counter()
             prefix = (req.prompt_ids + req.out_ids)[:-1]
-            if prefix:
-                ids = torch.tensor([prefix], device=self._device)
-                with self._compute:
-                    out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
-                cache = _cache_of(out)
-                self._stats["prefills"] += 1
-            else:
-                cache = self._empty_cache()
+            cache = self._prefill(prefix) if prefix else self._empty_cache()
             self._join(req, cache, len(prefix))
+
+    def _prefill(self, prefix: list[int]) -> Any:
+        """The KV cache of ``prefix``, reusing the longest cached prefix of it (computed by
+        the current weights: the cache is cleared on every weight update)."""
+        from transformers import DynamicCache
+
+        hit, kv = self._prefixes.lookup(prefix)
+        if hit == len(prefix):  # keep one token to compute: the cache must end before it
+            hit, kv = hit - 1, [(k[:, :, : hit - 1], v[:, :, : hit - 1]) for k, v in kv]
+        rest = prefix[hit:]
+        ids = torch.tensor([rest], device=self._device)
+        kwargs: dict[str, Any] = {}
+        if hit:
+            kwargs[self._cache_kwarg] = DynamicCache(ddp_cache_data=kv)
+            kwargs["position_ids"] = torch.arange(hit, len(prefix), device=self._device)[None]
+        with self._compute:
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
+        cache = _cache_of(out)
+        self._stats["prefills"] += 1
+        self._stats["prefill_tokens"] += len(rest)
+        self._stats["prefix_hit_tokens"] += hit
+        self._prefixes.store(prefix, [(layer.keys, layer.values) for layer in cache.layers])
+        return cache
 
     def _empty_cache(self) -> Any:
         from transformers import DynamicCache
@@ -525,6 +552,55 @@ def _cache_kwarg(model: Any) -> str:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+class _PrefixCache:
+    """Keys and values of recently prefilled token sequences, for exact reuse.
+
+    ``lookup`` finds the stored sequence sharing the longest prefix with the query and
+    returns that many tokens of its keys and values (the KV of a prefix depends only on the
+    prefix): a system prompt and tool list common to many episodes, or the previous turn of
+    the same conversation, are computed once. Entries are evicted least recently used.
+    Tensors are never modified in place (caches grow by concatenation), so entries are
+    shared without copies. Whoever changes the weights must ``clear`` it.
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]
+        self._entries = OrderedDict()
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def lookup(self, ids: Sequence[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        query = tuple(ids)
+        best, best_key = 0, None
+        for key in self._entries:
+            n = _common_prefix(query, key)
+            if n > best:
+                best, best_key = n, key
+        if best_key is None:
+            return 0, []
+        self._entries.move_to_end(best_key)
+        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in self._entries[best_key]]
+
+    def store(self, ids: Sequence[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self.max_entries < 1 or not ids:
+            return
+        key = tuple(ids)
+        self._entries[key] = [(k[:, :, : len(key)], v[:, :, : len(key)]) for k, v in kv]
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _cache_of(out: Any) -> Any:

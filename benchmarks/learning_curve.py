@@ -4,9 +4,10 @@ For each run directory (``areal-agent train ... train.output_dir=DIR``) every ch
 ``DIR/checkpoints/step-N`` is evaluated greedily with ``areal-agent eval`` on the *test* split
 of the run's env (the run's own ``config.yaml`` gives the env, its kwargs, the model and the
 token / turn limits; the checkpoint's LoRA adapter is applied with ``--adapter``). Step 0 is
-the warm-started model when the run had ``sft.enabled``. The x axis is the run's wall-clock
-time when the checkpoint was written (``state.json: elapsed_s``, warm start included);
-evaluation time is not part of it.
+the warm-started model when the run had ``sft.enabled``. The model runs in the run's
+``model.dtype`` (``auto``: bfloat16, as the engine during training). The x axis is the run's
+wall-clock time when the checkpoint was written (``state.json: elapsed_s``, warm start
+included); evaluation time is not part of it.
 
     python benchmarks/learning_curve.py runs/calc-s0 runs/calc-s1 --episodes 128 \\
         --png benchmarks/learning_curve.png
@@ -69,7 +70,7 @@ def evaluate(run: Path, ckpt: Path, episodes: int, seed: int, concurrency: int) 
         "--concurrency",
         str(concurrency),
         "--dtype",
-        "float32",
+        cfg["model"].get("dtype") or "auto",
         "--out",
         str(out),
     ]

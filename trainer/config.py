@@ -277,8 +277,10 @@ class RunConfig(_Checked):
     """Where checkpoints, metrics and the resolved config are written."""
     save_every: int = 50
     """Checkpoint every this many steps (and at the end); 0 = only at the end."""
-    eval_every: int = 0
-    """Evaluate every this many steps; 0 = never."""
+    time_limit_min: float | None = None
+    """Stop after this many wall-clock minutes (warm start included, summed over resumes):
+    the step in progress finishes, then a checkpoint and the final model are written;
+    None = no limit, run ``steps`` steps."""
     resume: bool = False
     """Continue from the latest checkpoint in output_dir."""
 
@@ -287,7 +289,11 @@ class RunConfig(_Checked):
             ("micro_batch_tokens", self.micro_batch_tokens >= 1, ">= 1"),
             ("steps", self.steps >= 1, ">= 1"),
             ("save_every", self.save_every >= 0, ">= 0 (0 = only at the end)"),
-            ("eval_every", self.eval_every >= 0, ">= 0 (0 = never)"),
+            (
+                "time_limit_min",
+                self.time_limit_min is None or self.time_limit_min > 0,
+                "> 0 or null (no limit)",
+            ),
             ("output_dir", bool(self.output_dir), "a directory"),
         )
 

@@ -77,3 +77,49 @@ async def test_late_request_joins_running_batch(engine):
     # Both rows shared decode steps: fewer steps than tokens generated.
     h = await engine.health()
     assert h["decode_steps"] < h["output_tokens"]
+
+
+async def test_prefix_cache_reuses_shared_prompts_exactly(tiny_model_dir, hf_model):
+    """Prompts sharing a system prefix, and a second turn extending the first, prefill only
+    their new tokens; outputs and logprobs equal a fresh forward pass; a weight update
+    clears the cache (nothing computed by old weights is reused)."""
+    system = list(range(200, 260))  # 60 shared tokens
+    first, other = [*system, 11, 12, 13], [*system, 21, 22]
+    eng = EmbeddedEngine.from_pretrained(tiny_model_dir, dtype="float32", max_batch_size=8)
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    try:
+        a = await eng.generate(first, greedy)
+        hits0 = (await eng.health())["prefix_hit_tokens"]
+        b = await eng.generate(other, greedy)  # reuses the 60 shared tokens
+        second = [*first, *a.output_ids, 31, 32]
+        c = await eng.generate(second, greedy)  # reuses the whole first prompt (+ output)
+        stats = await eng.health()
+        assert hits0 == 0
+        # call 2: the 60 shared tokens; call 3: the first call's prefill (its prompt but the
+        # pending last token)
+        assert stats["prefix_hit_tokens"] == 60 + len(first) - 1
+        for prompt, res in ((first, a), (other, b), (second, c)):
+            ref = hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+            assert res.output_ids == ref
+            lp = recompute_logprobs(hf_model, prompt, res.output_ids)
+            assert torch.allclose(lp, torch.tensor(res.output_logprobs), atol=1e-4)
+        state = {k: v.clone() for k, v in hf_model.state_dict().items()}
+        state["model.norm.weight"] = state["model.norm.weight"] * 1.5
+        from areal_agents.engine import WeightUpdate
+
+        await eng.update_weights(WeightUpdate(state_dict=state))
+        before = (await eng.health())["prefix_hit_tokens"]
+        d = await eng.generate(first, greedy)
+        assert (await eng.health())["prefix_hit_tokens"] == before  # cleared by the update
+        changed = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        changed.load_state_dict(state)
+        lp = recompute_logprobs(changed.eval(), first, d.output_ids)
+        assert torch.allclose(lp, torch.tensor(d.output_logprobs), atol=1e-4)
+    finally:
+        await eng.close()

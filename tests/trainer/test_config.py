@@ -70,9 +70,16 @@ train:
   seed: 3
   output_dir: runs/tau2
   save_every: 10
-  eval_every: 5
+  time_limit_min: 30
   resume: true
-sft: {enabled: true, demos: demos.jsonl, epochs: 2, lr: 1.0e-5, kind: episodes}
+sft:
+  enabled: true
+  demos: demos.jsonl
+  generate: 0
+  generate_kwargs: {kind: word}
+  epochs: 2
+  lr: 1.0e-5
+  kind: episodes
 metrics: {tensorboard: false, jsonl: true, wandb: false}
 scheduler: ray
 """
@@ -337,7 +344,10 @@ def test_cross_section_checks() -> None:
     assert "optim.warmup_steps: must be <= the schedule's 100 steps, got 500" in problems
     assert "sampling.max_new_tokens: 2048 exceeds model.max_context=1024" in problems
     assert "train.micro_batch_tokens: must be >= model.max_context=1024" in joined
-    assert "sft.demos: must be a JSONL path when sft is enabled, got None" in problems
+    assert (
+        "sft.demos: must be a JSONL path when sft is enabled (or set sft.generate to write "
+        "demos), got None"
+    ) in problems
 
 
 def test_missing_env_id_and_bad_input() -> None:

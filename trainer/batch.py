@@ -1,0 +1,183 @@
+"""Batch math of a training step: training samples with per-token advantages and loss
+weights (``build_batch``), DAPO's overlong penalty, GAE inputs for a critic, and the loss
+callbacks ``Policy.train_step`` and ``Critic.train_step`` call per micro-batch."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from areal_agents.trajectory import Episode
+
+from .advantage import completion_returns
+from .algorithms import AlgorithmSpec, OverlongSpec
+from .config import TrainConfig
+from .critic import GaeInputs, ValueLossFn, critic_targets, gae_inputs, value_loss_fn
+
+
+@dataclass
+class Batch:
+    seqs: list[list[int]]
+    mask: list[torch.Tensor]  # per sample, over tokens 1..n-1
+    behav: list[torch.Tensor]
+    versions: list[torch.Tensor]
+    adv: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    segments: list[torch.Tensor]
+    prox: list[torch.Tensor] | None = None
+    gae: GaeInputs | None = None
+    """PPO: each sample's rewards, discounts and links; ``add_gae`` fills the rest."""
+    old_values: list[torch.Tensor] | None = None
+    returns: list[torch.Tensor] | None = None
+    ref: list[torch.Tensor] | None = None
+    """Reference-policy logprobs, for a KL penalty (``loss.kl_coef > 0``)."""
+
+
+def build_batch(
+    episodes: list[Episode], spec: AlgorithmSpec, gamma: float, max_tokens: int
+) -> tuple[Batch, dict[str, float]]:
+    """Training samples with per-token advantages and batch-normalized loss weights.
+
+    With a critic (PPO) the advantages are left at 0 and ``batch.gae`` is set: pass the
+    critic's values to ``add_gae``. With ``spec.overlong`` (DAPO) each completion's reward
+    first gets the soft overlong penalty of its output length (``max_tokens`` = L_max)."""
+    overlong: dict[str, float] = {}
+    if spec.overlong is not None:
+        episodes, overlong = apply_overlong(episodes, spec.overlong, max_tokens)
+    rows = completion_returns(episodes, gamma)
+    if spec.needs_critic:
+        adv = torch.zeros_like(rows.returns)
+    else:
+        adv = spec.advantage.group(rows.returns, rows.group_ids, rows.episode_ids, rows.roots)
+    adv_of = dict(zip(rows.completion_ids, adv.tolist(), strict=True))
+    seqs, tcs, sample_eps = [], [], []
+    out = Batch([], [], [], [], [], [], [], gae=GaeInputs() if spec.needs_critic else None)
+    merged = eligible = 0
+    for ep in episodes:
+        samples, merges = ep.samples(gamma)
+        merged += sum(1 for m in merges if m["merged"])
+        eligible += sum(1 for m in merges if m["reason"] != "root")
+        if out.gae is not None:
+            out.gae.extend(gae_inputs(ep, samples, gamma))
+        for s in samples:
+            seqs.append(s.input_ids)
+            tcs.append(s.token_completion[1:])
+            sample_eps.append(ep.session_id)
+            tok_adv = [
+                adv_of[s.completion_ids[k]] if k >= 0 else 0.0 for k in s.token_completion[1:]
+            ]
+            out.mask.append(torch.tensor(s.loss_mask[1:], dtype=torch.float32))
+            out.behav.append(torch.tensor(s.logprobs[1:], dtype=torch.float32))
+            out.versions.append(torch.tensor(s.versions[1:]))
+            out.adv.append(torch.tensor(tok_adv, dtype=torch.float32))
+            out.segments.append(torch.tensor(s.token_completion[1:]))
+    width = max(len(t) for t in tcs)
+    tc = torch.full((len(tcs), width), -1, dtype=torch.long)
+    for i, t in enumerate(tcs):
+        tc[i, : len(t)] = torch.tensor(t)
+    w = spec.loss.weights(tc, sample_eps, max_tokens=max_tokens)
+    out.weights = [w[i, : len(t)] for i, t in enumerate(tcs)]
+    out.seqs = seqs
+    stats = {
+        "adv_mean": float(adv.mean()),
+        "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0,
+        "adv_abs_max": float(adv.abs().max()),
+        "merge_rate": merged / eligible if eligible else 0.0,
+        "samples": len(seqs),
+        **overlong,
+    }
+    return out, stats
+
+
+def apply_overlong(
+    episodes: list[Episode], spec: OverlongSpec, max_tokens: int
+) -> tuple[list[Episode], dict[str, float]]:
+    """Copies of ``episodes`` whose completions' rewards include DAPO's soft overlong
+    penalty (``OverlongSpec.penalty`` of each completion's output length); the recorded
+    episodes are left as they are. Returns the copies and the penalty's metrics."""
+    comps = [c for ep in episodes for c in ep.completions]
+    if not comps:
+        return episodes, {}
+    pens = spec.penalty(torch.tensor([len(c.output_ids) for c in comps]), max_tokens).tolist()
+    it = iter(pens)
+    out = []
+    for ep in episodes:
+        copy_ = copy.copy(ep)
+        copy_.completions = [
+            dataclasses.replace(c, reward=c.reward + next(it)) for c in ep.completions
+        ]
+        out.append(copy_)
+    return out, {
+        "overlong_penalty_mean": sum(pens) / len(pens),
+        "overlong_fraction": sum(p < 0 for p in pens) / len(pens),
+    }
+
+
+def add_gae(batch: Batch, values: list[torch.Tensor], spec: AlgorithmSpec) -> dict[str, float]:
+    """PPO: per-token advantages and returns of ``batch`` by GAE from the critic's ``values``
+    (``trainer.critic.critic_targets``); returns their metrics."""
+    assert batch.gae is not None, "build_batch sets batch.gae for a critic algorithm"
+    batch.adv, batch.returns, stats = critic_targets(batch.gae, values, batch.mask, spec.advantage)
+    batch.old_values = values
+    return stats
+
+
+def make_value_loss_fn(batch: Batch, spec: AlgorithmSpec) -> ValueLossFn:
+    """The callback ``Critic.train_step`` calls for each micro-batch (after ``add_gae``)."""
+    assert batch.old_values is not None and batch.returns is not None, "call add_gae first"
+    return value_loss_fn(spec.loss, batch.old_values, batch.returns, batch.mask, batch.weights)
+
+
+def _pad(xs: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(xs, batch_first=True, padding_value=value)
+
+
+ADDITIVE_STATS = frozenset({"loss", "policy_loss"})
+"""Policy-loss stats that are already batch-weighted sums (the rest are per-token means)."""
+
+
+def make_loss_fn(batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int) -> Any:
+    """The callback ``Policy.train_step`` calls for each micro-batch."""
+
+    def loss_fn(
+        items: list[int], logps: list[torch.Tensor], ents: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        logp = _pad(logps)
+        dev = logp.device  # the batch lives on the CPU; the policy may not
+
+        def rows(xs: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
+            return _pad([xs[i] for i in items], value).to(dev)
+
+        mask, behav = rows(batch.mask), rows(batch.behav)
+        extra = {"ref_logp": rows(batch.ref)} if batch.ref is not None else {}
+        if cfg.loss.proximal == "recompute":
+            assert batch.prox is not None
+            prox = rows(batch.prox)
+        else:
+            from .loss import approx_proximal_logp
+
+            prox = approx_proximal_logp(behav, logp, rows(batch.versions), version + 1, version)
+        loss, stats = spec.loss.policy_loss(
+            logp,
+            behav,
+            prox,
+            rows(batch.adv),
+            mask,
+            weights=rows(batch.weights),
+            segment_ids=rows(batch.segments, -1).long(),
+            max_tokens=cfg.sampling.max_new_tokens,
+            **extra,
+        )
+        n = float(mask.sum())
+        # Per-token means become token-weighted sums, so that summing over micro-batches and
+        # dividing by the batch's tokens gives the batch mean (losses already add up).
+        stats = {k: v if k in ADDITIVE_STATS else v * n for k, v in stats.items()}
+        stats["entropy_sum"] = float((_pad(ents) * mask).sum())
+        stats["tokens"] = n
+        return loss, stats
+
+    return loss_fn
