@@ -266,34 +266,9 @@ class RayRunner:
         }
 
     # ------------------------------------------------------------------ public
-    async def run_group(
-        self,
-        make_env: EnvFactory,
-        n: int,
-        *,
-        seed: int | None = None,
-        options: dict[str, Any] | None = None,
-        agent: Any = None,
-        group_id: str | None = None,
-        sampling_seed: int | None = None,
-    ) -> list[EpisodeResult]:
-        """``n`` episodes of the same task, as :meth:`Runner.run_group` (same seeds)."""
-        gid = group_id or "grp-" + uuid.uuid4().hex[:12]
-        return list(
-            await asyncio.gather(
-                *[
-                    self.run_episode(
-                        make_env,
-                        seed=seed,
-                        options=options,
-                        agent=agent,
-                        group_id=gid,
-                        sampling_seed=None if sampling_seed is None else sampling_seed + i,
-                    )
-                    for i in range(n)
-                ]
-            )
-        )
+    # The same grouping as the local runner (one gid, seeds sampling_seed + i); it only
+    # calls run_episode, which this class runs on a worker.
+    run_group = Runner.run_group
 
     async def run_episode(
         self,

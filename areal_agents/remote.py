@@ -37,10 +37,10 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Self
 
 import httpx
 
@@ -132,6 +132,33 @@ class RemoteEngine:
     async def _load_lora(self, path: str, version: int) -> None:
         """Load a LoRA adapter from ``path``, use it from now on, label with ``version``."""
         raise NotImplementedError
+
+    @classmethod
+    def _start_and_connect(
+        cls,
+        argv: list[str],
+        *,
+        url: str,
+        log_path: Any,
+        env: Mapping[str, str] | None,
+        timeout_s: float,
+        name: str,
+        model: str,
+        decode: DecodeFn | None,
+    ) -> Self:
+        """Start the server process, attach to it with the subclass's ``connect``, and stop
+        the process again when attaching fails."""
+        server = ServerProcess.start(
+            argv, url=url, log_path=log_path, env=env, timeout_s=timeout_s, name=name
+        )
+        try:
+            engine: Self = cls.connect(  # type: ignore[attr-defined]
+                url, model_dir=model, decode=decode, _server=server
+            )
+            return engine
+        except BaseException:
+            server.stop()
+            raise
 
     @property
     def can_pause(self) -> bool:

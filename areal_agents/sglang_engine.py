@@ -139,19 +139,16 @@ class SGLangEngine(RemoteEngine):
             argv += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
             argv += ["--lora-target-modules", "all"]
         argv += list(extra_args)
-        server = ServerProcess.start(
+        return cls._start_and_connect(
             argv,
             url=url,
             log_path=log_path,
             env=env,
             timeout_s=start_timeout_s,
             name="SGLang server",
+            model=model,
+            decode=decode,
         )
-        try:
-            return cls.connect(url, model_dir=model, decode=decode, _server=server)
-        except BaseException:
-            server.stop()
-            raise
 
     @classmethod
     def connect(

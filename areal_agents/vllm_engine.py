@@ -159,19 +159,16 @@ class VLLMEngine(RemoteEngine):
             argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
             server_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
         argv += list(extra_args)
-        server = ServerProcess.start(
+        return cls._start_and_connect(
             argv,
             url=url,
             log_path=log_path,
             env=server_env,
             timeout_s=start_timeout_s,
             name="vLLM server",
+            model=model,
+            decode=decode,
         )
-        try:
-            return cls.connect(url, model_dir=model, decode=decode, _server=server)
-        except BaseException:
-            server.stop()
-            raise
 
     @classmethod
     def connect(

@@ -126,33 +126,26 @@ class Trainer:
         # On CPU the engine and the trainer share the cores: their forward passes take turns.
         on_cpu = not torch.cuda.is_available() or (cfg.model.device or "").startswith("cpu")
         lock = FairLock() if on_cpu else None
+        shared: dict[str, Any] = {  # the same for the policy and a critic
+            "dtype": dtype,
+            "device": cfg.model.device,
+            "lora": lora,
+            "activation_checkpointing": cfg.model.activation_checkpointing,
+            "weight_decay": cfg.optim.weight_decay,
+            "betas": tuple(cfg.optim.betas),
+            "grad_clip": cfg.optim.grad_clip or float("inf"),
+            "compute_lock": lock,
+        }
         self.policy = Policy(
-            self.model_path,
-            dtype=dtype,
-            device=cfg.model.device,
-            lora=lora,
-            activation_checkpointing=cfg.model.activation_checkpointing,
-            lr=cfg.optim.lr,
-            weight_decay=cfg.optim.weight_decay,
-            betas=tuple(cfg.optim.betas),  # type: ignore[arg-type]
-            grad_clip=cfg.optim.grad_clip or float("inf"),
-            compute_lock=lock,
-            reference=self.spec.loss.kl_coef > 0,
+            self.model_path, lr=cfg.optim.lr, reference=self.spec.loss.kl_coef > 0, **shared
         )
         self.critic: Critic | None = None
         if self.spec.needs_critic:
             path = cfg.critic.path
             self.critic = Critic(
                 self.model_path if path is None else resolve_model(path, quiet=self.quiet),
-                dtype=dtype,
-                device=cfg.model.device,
-                lora=lora,
-                activation_checkpointing=cfg.model.activation_checkpointing,
                 lr=cfg.critic.lr,
-                weight_decay=cfg.optim.weight_decay,
-                betas=tuple(cfg.optim.betas),  # type: ignore[arg-type]
-                grad_clip=cfg.optim.grad_clip or float("inf"),
-                compute_lock=lock,
+                **shared,
             )
         engine_dtype = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
         s = cfg.sampling
