@@ -269,6 +269,9 @@ class RunConfig(_Checked):
 
     micro_batch_tokens: int = 16384
     """Token budget of one packed micro-batch; a step accumulates gradients over several."""
+    share_prefixes: bool = True
+    """Compute the prefixes that sequences share (a group's prompt) once per micro-batch,
+    as a prefix tree with an attention mask; exact. Off: every sequence packed whole."""
     steps: int = 200
     """Training steps (policy versions) to run."""
     seed: int = 0

@@ -137,7 +137,11 @@ class Trainer:
             "compute_lock": lock,
         }
         self.policy = Policy(
-            self.model_path, lr=cfg.optim.lr, reference=self.spec.loss.kl_coef > 0, **shared
+            self.model_path,
+            lr=cfg.optim.lr,
+            reference=self.spec.loss.kl_coef > 0,
+            share_prefixes=cfg.train.share_prefixes,
+            **shared,
         )
         self.critic: Critic | None = None
         if self.spec.needs_critic:
