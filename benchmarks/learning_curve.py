@@ -37,7 +37,14 @@ def checkpoints(run: Path) -> list[Path]:
     return found
 
 
-def evaluate(run: Path, ckpt: Path, episodes: int, seed: int, concurrency: int) -> dict[str, Any]:
+def evaluate(
+    run: Path,
+    ckpt: Path,
+    episodes: int,
+    seed: int,
+    concurrency: int,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     out = ckpt / "eval"
     cached = out / "report.json"
     if cached.exists():
@@ -45,7 +52,7 @@ def evaluate(run: Path, ckpt: Path, episodes: int, seed: int, concurrency: int) 
         if report.get("episodes") == episodes:
             return report
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    env_kwargs = {**(cfg["env"].get("kwargs") or {}), "split": "test"}
+    env_kwargs = {**(cfg["env"].get("kwargs") or {}), **(overrides or {}), "split": "test"}
     cmd = [
         sys.executable,
         "-m",
@@ -88,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="first held-out task seed")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--png", type=Path, default=None, help="write the plot here")
+    ap.add_argument(
+        "--env-kwargs",
+        type=json.loads,
+        default={},
+        help="JSON object over the run's env kwargs for the held-out set, e.g. "
+        "'{\"word_fraction\": 0.5}' when training sampled another mix",
+    )
     args = ap.parse_args(argv)
 
     curves: dict[str, list[tuple[float, dict[str, Any]]]] = {}
@@ -97,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         points = []
         for ckpt in checkpoints(run):
             state = json.loads((ckpt / "state.json").read_text())
-            report = evaluate(run, ckpt, args.episodes, args.seed, args.concurrency)
+            report = evaluate(
+                run, ckpt, args.episodes, args.seed, args.concurrency, args.env_kwargs
+            )
             minutes = float(state.get("elapsed_s", 0.0)) / 60
             points.append((minutes, report))
             kinds = report.get("by_kind", {})

@@ -17,6 +17,19 @@ Rewards (defaults in brackets), per step:
   ``success=False``;
 - a tool turn: ``tool_call_reward`` [0.0] when every call in it succeeded, else 0.
 
+:class:`CalculatorEnv` can also give partial credit for a grounded calculator call
+(``grounded_call_reward`` c [0.0], off by default): the first calculator call of the episode
+that evaluates without error earns, on its turn,
+
+    r_call = c   if nums(expr) == nums(question)
+    r_call = 0   otherwise
+
+where ``nums`` is the multiset of numbers written in the text: the call must use every number
+of the question once and no other (the shape of every generated task's solution); a call
+that copies one number, or invents one, earns nothing, so no shortcut earns part of c. Only
+the first successful call counts, so repeating calls earns nothing more. Success is
+unchanged: only a correct final answer succeeds.
+
 ``max_turns`` counts assistant messages; running out of turns truncates the episode
 (``success=False``). The end-of-episode ``info`` has ``success``, ``final_reward`` (the
 reward of the outcome), ``attempts``, ``predicted``, ``answer``, ``kind``, ``tool_used``.
@@ -30,6 +43,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -285,6 +300,8 @@ class CalculatorEnv(_AnswerEnv):
         max_turns: Assistant messages before truncation [4].
         max_attempts: Answers allowed [1].
         correct_reward, wrong_reward, tool_call_reward: See the module docstring.
+        grounded_call_reward: Partial credit c for the first successful calculator call
+            when it uses exactly the question's numbers (module docstring) [0.0].
         feedback: Reply to a wrong answer when ``max_attempts > 1``.
         system_prompt: The system message.
     """
@@ -310,9 +327,12 @@ class CalculatorEnv(_AnswerEnv):
         correct_reward: float = 1.0,
         wrong_reward: float = 0.0,
         tool_call_reward: float = 0.0,
+        grounded_call_reward: float = 0.0,
         feedback: str = WRONG_FEEDBACK,
         system_prompt: str = CALCULATOR_SYSTEM_PROMPT,
     ) -> None:
+        if grounded_call_reward < 0:
+            raise ValueError(f"grounded_call_reward must be >= 0, got {grounded_call_reward}")
         size = num_tasks or DEFAULT_NUM_TASKS[split]
         super().__init__(
             calculator_pool(kind, split, size, word_fraction),
@@ -326,9 +346,42 @@ class CalculatorEnv(_AnswerEnv):
             require_tool=require_tool,
         )
         self.few_shot = 2 if few_shot is True else int(few_shot)
+        self.grounded_call_reward = float(grounded_call_reward)
 
     def _prefix_messages(self) -> list[Message]:
         return [m for task in example_tasks(self.few_shot) for m in solved_turns(task, "example")]
+
+    def _tool_reward(self, message: Message, records: list[dict[str, Any]]) -> float:
+        first_call = not self.tool_used
+        reward = super()._tool_reward(message, records)
+        if first_call and self.tool_used and self.grounded_call_reward > 0:
+            assert self.task is not None
+            ok_ids = {r["tool_call_id"] for r in records if r["error"] is None}
+            for call in message.get("tool_calls") or []:
+                if call.get("id") in ok_ids and call["function"]["name"] == "calculator":
+                    if grounded(_call_expression(call), self.task.question):
+                        return reward + self.grounded_call_reward
+                    return reward
+        return reward
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def grounded(expression: str, question: str) -> bool:
+    """True when ``expression`` uses exactly the numbers of ``question`` (as multisets) and
+    the question has some: ``grounded("12 - 5", "Ann had 12 and gave away 5.")``."""
+    given = Counter(_NUMBER.findall(question))
+    return bool(given) and Counter(_NUMBER.findall(expression)) == given
+
+
+def _call_expression(call: Mapping[str, Any]) -> str:
+    try:
+        arguments = json.loads(call["function"].get("arguments") or "{}")
+    except (TypeError, ValueError):
+        return ""
+    value = arguments.get("expression") if isinstance(arguments, dict) else None
+    return value if isinstance(value, str) else ""
 
 
 def example_tasks(n: int) -> list[MathTask]:

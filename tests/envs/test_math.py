@@ -240,3 +240,49 @@ def test_demos_are_correct_deterministic_train_only_conversations():
         c[1]["content"].split()[0] in {"What", "Calculate", "Compute", "Evaluate"}
         for c in arithmetic
     )
+
+
+def _calculator_call(expression: str, call_id: str = "c1") -> dict:
+    function = {"name": "calculator", "arguments": json.dumps({"expression": expression})}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+    }
+
+
+def test_grounded_hand_computed():
+    from envs.math.env import grounded
+
+    question = "A box holds 18 cookies. Yuki has 19 full boxes. How many cookies is that?"
+    assert grounded("18 * 19", question) and grounded("19 * 18", question)
+    assert grounded("(18) * 19", question)
+    assert not grounded("18", question)  # one number of two
+    assert not grounded("18 * 12", question)  # 12 is not in the question
+    assert not grounded("18 * 19 * 19", question)  # 19 appears once in the question
+    assert not grounded("1 + 1", "No numbers here.")
+
+
+def test_calculator_grounded_call_reward_once_per_episode():
+    env = CalculatorEnv(kind="word", grounded_call_reward=0.3)
+    env.reset(seed=5)
+    task = env.task
+    operand = task.expression.split()[0]
+    # a valid call with part of the numbers earns nothing; it uses up the first call
+    assert env.step(_calculator_call(operand))[1] == 0.0
+    assert env.step(_calculator_call(task.expression, "c2"))[1] == 0.0
+    _obs, reward, terminated, _t, info = env.step(f"The answer is {task.answer}.")
+    assert (reward, terminated, info["success"]) == (1.0, True, True)
+
+    env.reset(seed=5)
+    assert env.step(_calculator_call("apples"))[1] == 0.0  # an error earns nothing
+    assert env.step(_calculator_call(task.expression, "c2"))[1] == pytest.approx(0.3)
+    assert env.step(_calculator_call(task.expression, "c3"))[1] == 0.0  # only once
+    _obs, reward, _term, _t, info = env.step("The answer is 0.")
+    assert (reward, info["success"]) == (0.0, False)
+    # off by default
+    default = CalculatorEnv(kind="word")
+    default.reset(seed=5)
+    assert default.step(_calculator_call(default.task.expression))[1] == 0.0
+    with pytest.raises(ValueError, match="grounded_call_reward"):
+        CalculatorEnv(grounded_call_reward=-1)
