@@ -1,7 +1,10 @@
 """The embedded inference engine: transformers + torch in a worker thread.
 
 Continuous batching on one device: every active request holds a row of one batched KV
-cache (left-padded to a common length). Each loop iteration the worker
+cache (left-padded to a common length), kept in preallocated buffers: a decode step writes
+its keys and values in place, a joining request fills the next free row and a finished one's
+row is refilled by the last row, so no step copies the whole batch's cache (transformers'
+``DynamicCache`` concatenates at every step). Each loop iteration the worker
 
 1. runs queued control commands (weight update, pause, resume) between forward passes;
 2. admits waiting requests up to ``max_batch_size``: each is prefilled on its own (exact, no
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -405,17 +409,18 @@ class EmbeddedEngine:
         return DynamicCache(ddp_cache_data=[(empty, empty)] * cfg.num_hidden_layers)
 
     def _join(self, req: _Request, cache: Any, length: int) -> None:
+        """Add a prefilled request as the batch's last row (its keys and values are copied
+        into the batch buffers, right-aligned: rows are left-padded to a common width)."""
         row = torch.ones(1, length, dtype=torch.long)
         if self._cache is None:
+            batch_layer = _batch_layer_class()
+            cache.layers = [batch_layer(layer.keys, layer.values) for layer in cache.layers]
             self._cache, self._mask, self._active = cache, row, [req]
             return
         assert self._mask is not None
         width = max(self._mask.shape[1], length)
         for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-            mine.values = torch.cat(
-                [_left_pad(mine.values, width), _left_pad(theirs.values, width)]
-            )
+            mine.add_row(theirs.keys, theirs.values)
         self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(row, width)])
         self._active.append(req)
 
@@ -502,22 +507,27 @@ class EmbeddedEngine:
         return None
 
     def _retain(self, keep: list[int]) -> None:
+        """Keep the rows ``keep`` (ascending). Each removed row's slot is refilled by the
+        last kept row (one row copied per retired request, not the whole batch), so the
+        order of the rows changes; then columns that are padding in every row are dropped."""
         if len(keep) == len(self._active):
             return
         if not keep:
             self._active, self._cache, self._mask = [], None, None
             return
         assert self._mask is not None
-        idx = torch.tensor(keep)
-        self._active = [self._active[i] for i in keep]
-        mask = self._mask.index_select(0, idx)
-        # Drop columns that are padding in every remaining row.
+        kept, n = set(keep), len(keep)
+        holes = [i for i in range(n) if i not in kept]
+        movers = [i for i in range(n, len(self._active)) if i in kept]
+        order = list(range(n))
+        for dst, src in zip(holes, movers, strict=True):
+            order[dst] = src
+        self._active = [self._active[i] for i in order]
+        mask = self._mask[order]
         trim = int((mask.cumsum(1) == 0).all(0).sum())
         self._mask = mask[:, trim:]
-        dev_idx = idx.to(self._device)
         for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(0, dev_idx)[:, :, trim:]
-            layer.values = layer.values.index_select(0, dev_idx)[:, :, trim:]
+            layer.compact(n, list(zip(holes, movers, strict=True)), trim)
 
 
 class FairLock:
@@ -603,23 +613,110 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return i
 
 
+@functools.cache
+def _batch_layer_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class BatchLayer(DynamicLayer):
+        """One layer of the batch's KV cache, in buffers with room to grow.
+
+        Rows ``[0, rows)`` are the active requests; the live columns ``[start, end)`` hold
+        their keys and values, left-padded (with zeros) to a common width. ``keys`` and
+        ``values`` are views of that region, which the model reads. A decode step writes
+        its column in place (``DynamicLayer`` concatenates, copying the whole batch's cache
+        at every step); a joining request is written into the next free row; a retired row
+        is refilled by the last row (:meth:`compact`). Buffers are reallocated (one copy)
+        only when they run out of rows or columns.
+        """
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            super().__init__()
+            self.device, self.is_initialized = keys.device, True
+            self.rows, self.start, self.end = 0, 0, 0
+            self._kbuf = keys.new_zeros(0, *keys.shape[1:2], 0, keys.shape[3])
+            self._vbuf = values.new_zeros(0, *values.shape[1:2], 0, values.shape[3])
+            self.add_row(keys, values)
+
+        def _view(self) -> None:
+            self.keys = self._kbuf[: self.rows, :, self.start : self.end]
+            self.values = self._vbuf[: self.rows, :, self.start : self.end]
+
+        def _realloc(self, rows: int, left: int, right: int) -> None:
+            """New buffers for ``rows`` rows with ``left`` free columns before the live
+            region and ``right`` after it."""
+            width = self.end - self.start
+            k, v = self._kbuf, self._vbuf
+            self._kbuf = k.new_zeros(rows, k.shape[1], left + width + right, k.shape[3])
+            self._vbuf = v.new_zeros(rows, v.shape[1], left + width + right, v.shape[3])
+            self._kbuf[: self.rows, :, left : left + width] = k[
+                : self.rows, :, self.start : self.end
+            ]
+            self._vbuf[: self.rows, :, left : left + width] = v[
+                : self.rows, :, self.start : self.end
+            ]
+            self.start, self.end = left, left + width
+
+        def add_row(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """Append a request's cache (``[1, H, L, D]``) as the last row."""
+            n, width = keys.shape[-2], self.end - self.start
+            full = self.rows == self._kbuf.shape[0]
+            if full or self.end - n < 0:  # no free row, or too little room on the left
+                rows = max(4, 2 * self._kbuf.shape[0]) if full else self._kbuf.shape[0]
+                room = max(64, max(width, n) // 2)
+                self._realloc(rows, left=max(0, n - width) + room, right=room)
+            if self.end - n < self.start:  # wider than the others: they get zero padding
+                self._kbuf[: self.rows, :, self.end - n : self.start] = 0
+                self._vbuf[: self.rows, :, self.end - n : self.start] = 0
+                self.start = self.end - n
+            r = self.rows
+            self._kbuf[r, :, self.start : self.end - n] = 0
+            self._vbuf[r, :, self.start : self.end - n] = 0
+            self._kbuf[r, :, self.end - n : self.end] = keys[0]
+            self._vbuf[r, :, self.end - n : self.end] = values[0]
+            self.rows += 1
+            self._view()
+
+        def compact(self, rows: int, moves: list[tuple[int, int]], trim: int) -> None:
+            """Keep ``rows`` rows after copying row ``src`` to ``dst`` for each move, and
+            drop ``trim`` leading columns (padding in every row)."""
+            live = slice(self.start, self.end)
+            for dst, src in moves:
+                self._kbuf[dst, :, live] = self._kbuf[src, :, live]
+                self._vbuf[dst, :, live] = self._vbuf[src, :, live]
+            self.rows = rows
+            self.start += trim
+            self._view()
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            new = key_states.shape[-2]
+            if self.end + new > self._kbuf.shape[2]:
+                width = self.end - self.start
+                self._realloc(self._kbuf.shape[0], self.start, max(64, width // 2) + new)
+            self._kbuf[: self.rows, :, self.end : self.end + new] = key_states
+            self._vbuf[: self.rows, :, self.end : self.end + new] = value_states
+            self.end += new
+            self._view()
+            return (
+                self._kbuf[: self.rows, :, self.start : self.end],
+                self._vbuf[: self.rows, :, self.start : self.end],
+            )
+
+    return BatchLayer
+
+
 def _cache_of(out: Any) -> Any:
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 
 
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Left-pad the sequence dimension (dim -2 for KV [B,H,T,D], dim -1 for masks [B,T])."""
-    if t.dim() == 2:
-        missing = width - t.shape[1]
-        if missing == 0:
-            return t
-        return torch.cat([torch.zeros(t.shape[0], missing, dtype=t.dtype), t], 1)
-    missing = width - t.shape[2]
+def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad a ``[B, T]`` mask with zeros to ``width`` columns."""
+    missing = width - mask.shape[1]
     if missing == 0:
-        return t
-    pad = torch.zeros(t.shape[0], t.shape[1], missing, t.shape[3], dtype=t.dtype, device=t.device)
-    return torch.cat([pad, t], 2)
+        return mask
+    return torch.cat([torch.zeros(mask.shape[0], missing, dtype=mask.dtype), mask], 1)
 
 
 def _sample_row(logp: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

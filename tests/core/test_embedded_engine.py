@@ -123,3 +123,59 @@ async def test_prefix_cache_reuses_shared_prompts_exactly(tiny_model_dir, hf_mod
         assert torch.allclose(lp, torch.tensor(d.output_logprobs), atol=1e-4)
     finally:
         await eng.close()
+
+
+def test_batch_kv_layer_matches_left_padded_concatenation():
+    """The batch cache's in-place buffers hold exactly what concatenating left-padded rows
+    would: through joins of shorter and longer rows, decode steps, retirements that move the
+    last row into the hole, and trimming of all-padding columns (buffers regrow as needed)."""
+    from areal_agents.embedded import _batch_layer_class
+
+    gen = torch.Generator().manual_seed(0)
+
+    def kv(n: int, rows: int = 1) -> torch.Tensor:
+        return torch.randn(rows, 2, n, 3, generator=gen)
+
+    def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+        width = max(r.shape[1] for r in rows)
+        return torch.stack([torch.cat([torch.zeros(2, width - r.shape[1], 3), r], 1) for r in rows])
+
+    first = kv(5)
+    layer = _batch_layer_class()(first, first + 1)
+    ref = [first[0]]  # per row: [H, L, D] (values are keys + 1 throughout)
+
+    def check() -> None:
+        assert torch.equal(layer.keys, padded(ref))
+        assert torch.equal(layer.values, padded([r + 1 for r in ref]))  # padding stays 0
+
+    check()
+    for n in (3, 9, 0, 200, 4):  # shorter, wider, empty, much wider (regrow left), ...
+        row = kv(n)
+        layer.add_row(row, row + 1)
+        ref.append(row[0])
+        check()
+    for _ in range(3):  # decode steps (regrow right after a while)
+        step = kv(1, rows=len(ref))
+        out_k, out_v = layer.update(step, step + 1)
+        ref = [torch.cat([r, step[i]], 1) for i, r in enumerate(ref)]
+        check()
+        assert torch.equal(out_k, layer.keys) and torch.equal(out_v, layer.values)
+    for _ in range(80):  # grow past the right room
+        step = kv(1, rows=len(ref))
+        layer.update(step, step + 1)
+        ref = [torch.cat([r, step[i]], 1) for i, r in enumerate(ref)]
+    check()
+    # retire rows 1 and 4 of 6 (row 4 holds the 200-token row): rows 0, 2, 3, 5 stay; the
+    # last kept row (5) moves into hole 1; columns left of the widest remaining row go
+    keep = [0, 2, 3, 5]
+    order = [0, 5, 2, 3]
+    width = max(ref[i].shape[1] for i in keep)
+    trim = layer.keys.shape[2] - width
+    layer.compact(4, [(1, 5)], trim)
+    ref = [ref[i] for i in order]
+    check()
+    for n in (7, 300):  # joins after a compaction, the second needing more room on the left
+        row = kv(n)
+        layer.add_row(row, row + 1)
+        ref.append(row[0])
+        check()
