@@ -314,8 +314,9 @@ class Trainer:
             else:
                 st.skipped_groups.append(g)  # never redone; the gate admits a new group
 
+        tasks: set[asyncio.Task[None]] = set()  # groups in flight
+
         async def producer() -> None:
-            tasks = set()
             while True:
                 await gate.acquire()
                 if redo:
@@ -377,7 +378,12 @@ class Trainer:
                     summary["stopped_by_time_limit"] = True
                     break
         finally:
+            # Stop generating: groups still in flight are not consumed (a resume redoes
+            # them), so they end here, before their workers and the engine go away.
             prod.cancel()
+            for t in list(tasks):
+                t.cancel()
+            await asyncio.gather(prod, *tasks, return_exceptions=True)
             bar.close()
             metrics.close()
             if cfg.scheduler == "ray":  # scheduler: ray: end the rollout workers

@@ -66,6 +66,7 @@ loss:
 critic: {path: null, lr: 1.0e-5, lam: 0.95, value_clip: 0.2, whiten: true}
 train:
   micro_batch_tokens: 8192
+  share_prefixes: false
   steps: 40
   seed: 3
   output_dir: runs/tau2
@@ -127,6 +128,7 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
         "token",
     )
     assert cfg.train.resume is True and cfg.train.output_dir == "runs/tau2"
+    assert cfg.train.share_prefixes is False
     assert cfg.sft.kind == "episodes" and cfg.sft.lr == 1e-5
     assert cfg.metrics.tensorboard is False
 
