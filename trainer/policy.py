@@ -126,7 +126,7 @@ def tree_tokens(seqs: Sequence[Sequence[int]]) -> int:
 
 
 def _needed_windows(
-    seqs: Sequence[Sequence[int]], indices: Sequence[int], needed: Sequence[torch.Tensor]
+    indices: Sequence[int], needed: Sequence[torch.Tensor]
 ) -> list[tuple[int, int]]:
     windows = []
     for i in indices:
@@ -158,7 +158,7 @@ def make_packed(
         spans.append((i, start, len(ids)))
     packed = Packed(torch.tensor([ids], device=device), torch.tensor([pos], device=device), spans)
     if needed is not None:
-        windows = _needed_windows(seqs, indices, needed)
+        windows = _needed_windows(indices, needed)
         keep = torch.zeros(1, len(ids), dtype=torch.bool)
         for (_, s, _), (a, b) in zip(spans, windows, strict=True):
             keep[0, s + a : s + b] = True  # logits at row position p predict token p + 1
@@ -231,7 +231,7 @@ def make_tree_packed(
         attention_mask=mask[None, None].to(device),
     )
     if needed is not None:
-        windows = _needed_windows(seqs, indices, needed)
+        windows = _needed_windows(indices, needed)
         keep = torch.zeros(1, len(ids), dtype=torch.bool)
         for r, (a, b) in zip(rows, windows, strict=True):
             keep[0, r[a:b]] = True  # logits at row r[t] predict the item's token t + 1
