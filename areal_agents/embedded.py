@@ -44,10 +44,16 @@ import torch
 
 from .engine import GenerateResult, SamplingParams, WeightUpdate
 from .errors import BackendError, ContextOverflow, UserError
+from .trajectory import common_prefix_len
 
 log = logging.getLogger(__name__)
 
 DecodeFn = Callable[[list[int]], str]
+
+
+_SHARE_MIN_TOKENS = 32
+"""A request waits for the next admission round when an earlier request of this round will
+compute at least this many more of its prefix than the cache holds."""
 
 
 @dataclass(eq=False)
@@ -146,6 +152,8 @@ class EmbeddedEngine:
             "prefills": 0,
             "prefill_tokens": 0,
             "prefix_hit_tokens": 0,
+            "prefix_full_hits": 0,
+            "prefill_batches": 0,
         }
         self._prefixes = _PrefixCache(prefix_cache_entries)
         self._error: BaseException | None = None
@@ -358,45 +366,133 @@ class EmbeddedEngine:
         self._version = update.version if update.version is not None else self._version + 1
         return self._version
 
-    # -- admission: prefill one request at a time and join the batch ----------------
+    # -- admission: prefill waiting requests (batched) and join the batch -----------
     def _admit(self) -> None:
         """Prefill waiting requests and add their cache rows to the batch.
 
         Every active row keeps exactly one *pending* token outside the cache: the last token
         of its prompt (or the last one it sampled). The prefill therefore covers the sequence
         minus its last token, and every decode step feeds all rows their pending token.
+
+        Each round takes as many waiting requests as there are free rows, looks up their
+        longest cached prefix and prefills the rest of them together (:meth:`_prefill_many`).
+        A request that shares more of its prefix with an earlier request of the round than
+        the cache holds waits for the next round, when that request's prefill is cached:
+        a group's identical prompts, or its episodes re-prefilled after a weight update,
+        compute their common part once.
         """
         self._waiting = [r for r in self._waiting if not r.future.cancelled()]
         while self._waiting and len(self._active) < self.max_batch_size:
-            req = self._waiting.pop(0)
-            if req.started is None:
-                req.started = time.perf_counter()
-            prefix = (req.prompt_ids + req.out_ids)[:-1]
-            cache = self._prefill(prefix) if prefix else self._empty_cache()
-            self._join(req, cache, len(prefix))
+            room = self.max_batch_size - len(self._active)
+            jobs: list[_Prefill] = []
+            later: list[_Request] = []
+            for req in self._waiting:
+                prefix = (req.prompt_ids + req.out_ids)[:-1]
+                if len(jobs) >= room:
+                    later.append(req)
+                    continue
+                hit, kv = self._prefixes.lookup(prefix)
+                shared = max((common_prefix_len(prefix, j.prefix) for j in jobs), default=0)
+                if shared >= hit + _SHARE_MIN_TOKENS:
+                    later.append(req)
+                    continue
+                if req.started is None:
+                    req.started = time.perf_counter()
+                jobs.append(_Prefill(req, prefix, hit, kv))
+            self._waiting = later
+            for job, cache in zip(jobs, self._prefill_many(jobs), strict=True):
+                self._join(job.req, cache, len(job.prefix))
 
-    def _prefill(self, prefix: list[int]) -> Any:
-        """The KV cache of ``prefix``, reusing the longest cached prefix of it (computed by
-        the current weights: the cache is cleared on every weight update)."""
+    def _prefill_many(self, jobs: list[_Prefill]) -> list[Any]:
+        """The KV caches of the jobs' prefixes, each continuing its cached prefix (computed
+        by the current weights: the cache is cleared on every weight update).
+
+        A fully cached prefix needs no forward pass. The others are prefilled in chunks of
+        similar length, one forward pass per chunk: the cached keys and values left-padded to
+        a common width, the new tokens right-padded, a padding mask and every token at its
+        own position; each row's keys and values are then cut out of the chunk's cache. A
+        chunk admits a row while its padding stays under half of its real tokens.
+        """
         from transformers import DynamicCache
 
-        hit, kv = self._prefixes.lookup(prefix)
-        if hit == len(prefix):  # keep one token to compute: the cache must end before it
-            hit, kv = hit - 1, [(k[:, :, : hit - 1], v[:, :, : hit - 1]) for k, v in kv]
-        rest = prefix[hit:]
-        ids = torch.tensor([rest], device=self._device)
+        out: dict[int, Any] = {}
+        todo = []
+        for i, job in enumerate(jobs):
+            self._stats["prefix_hit_tokens"] += job.hit
+            if not job.prefix:
+                out[i] = self._empty_cache()
+            elif job.hit == len(job.prefix):  # e.g. a group's identical prompts: no forward
+                self._stats["prefix_full_hits"] += 1
+                out[i] = DynamicCache(ddp_cache_data=job.kv)  # joining copies it
+            else:
+                todo.append(i)
+        todo.sort(key=lambda i: len(jobs[i].prefix) - jobs[i].hit)
+        chunks: list[list[int]] = []
+        real = 0  # new tokens in the last chunk
+        for i in todo:
+            new = len(jobs[i].prefix) - jobs[i].hit  # the largest so far: todo is sorted
+            if chunks and (len(chunks[-1]) + 1) * new <= 1.5 * (real + new):
+                chunks[-1].append(i)
+                real += new
+            else:
+                chunks.append([i])
+                real = new
+        for chunk in chunks:
+            caches = self._forward_chunk([jobs[j] for j in chunk])
+            out.update(zip(chunk, caches, strict=True))
+        return [out[i] for i in range(len(jobs))]
+
+    def _forward_chunk(self, jobs: list[_Prefill]) -> list[Any]:
+        from transformers import DynamicCache
+
+        width = max(j.hit for j in jobs)  # cached columns, left-padded
+        new = max(len(j.prefix) - j.hit for j in jobs)  # new columns, right-padded
+        n, dev = len(jobs), self._device
+        ids = torch.zeros(n, new, dtype=torch.long)
+        pos = torch.zeros(n, new, dtype=torch.long)
+        mask = torch.zeros(n, width + new, dtype=torch.long)
+        for r, j in enumerate(jobs):
+            rest = j.prefix[j.hit :]
+            ids[r, : len(rest)] = torch.tensor(rest)
+            pos[r, : len(rest)] = torch.arange(j.hit, len(j.prefix))
+            mask[r, width - j.hit : width + len(rest)] = 1
         kwargs: dict[str, Any] = {}
-        if hit:
-            kwargs[self._cache_kwarg] = DynamicCache(ddp_cache_data=kv)
-            kwargs["position_ids"] = torch.arange(hit, len(prefix), device=self._device)[None]
+        if width:
+            past = []
+            for layer in range(len(next(j.kv for j in jobs if j.kv))):
+                ref = next(j.kv for j in jobs if j.kv)[layer][0]
+                k = ref.new_zeros(n, ref.shape[1], width, ref.shape[3])
+                v = torch.zeros_like(k)
+                for r, j in enumerate(jobs):
+                    if j.hit:
+                        k[r, :, width - j.hit :] = j.kv[layer][0][0]
+                        v[r, :, width - j.hit :] = j.kv[layer][1][0]
+                past.append((k, v))
+            kwargs[self._cache_kwarg] = DynamicCache(ddp_cache_data=past)
+        if n > 1 or width:
+            kwargs["attention_mask"] = mask.to(dev)
         with self._compute:
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
-        cache = _cache_of(out)
-        self._stats["prefills"] += 1
-        self._stats["prefill_tokens"] += len(rest)
-        self._stats["prefix_hit_tokens"] += hit
-        self._prefixes.store(prefix, [(layer.keys, layer.values) for layer in cache.layers])
-        return cache
+            res = self.model(
+                input_ids=ids.to(dev),
+                position_ids=pos.to(dev),
+                use_cache=True,
+                logits_to_keep=1,
+                **kwargs,
+            )
+        layers = _cache_of(res).layers
+        self._stats["prefills"] += n
+        self._stats["prefill_batches"] += 1
+        caches = []
+        for r, j in enumerate(jobs):
+            cols = slice(width - j.hit, width + len(j.prefix) - j.hit)
+            kv = [
+                (layer.keys[r : r + 1, :, cols].clone(), layer.values[r : r + 1, :, cols].clone())
+                for layer in layers
+            ]
+            self._stats["prefill_tokens"] += len(j.prefix) - j.hit
+            self._prefixes.store(j.prefix, kv)
+            caches.append(DynamicCache(ddp_cache_data=kv))
+        return caches
 
     def _empty_cache(self) -> Any:
         from transformers import DynamicCache
@@ -587,7 +683,7 @@ class _PrefixCache:
         query = tuple(ids)
         best, best_key = 0, None
         for key in self._entries:
-            n = _common_prefix(query, key)
+            n = common_prefix_len(query, key)
             if n > best:
                 best, best_key = n, key
         if best_key is None:
@@ -605,12 +701,14 @@ class _PrefixCache:
             self._entries.popitem(last=False)
 
 
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+@dataclass
+class _Prefill:
+    """One request of an admission round: its prefix and the cached part of it."""
+
+    req: _Request
+    prefix: list[int]
+    hit: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @functools.cache

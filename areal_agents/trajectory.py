@@ -28,7 +28,7 @@ The data contract of DESIGN.md, in code:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -226,6 +226,15 @@ def find_parent(earlier: Iterable[Completion], messages: list[dict[str, Any]]) -
 
 def _chain_keys(c: Completion) -> list[tuple[Any, ...]]:
     return [*(message_key(m) for m in c.messages), message_key(c.message)]
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _longest_prefix(

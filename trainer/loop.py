@@ -34,6 +34,7 @@ import asyncio
 import dataclasses
 import inspect
 import json
+import logging
 import random
 import shutil
 import sys
@@ -66,6 +67,16 @@ from .critic import Critic
 from .metrics import MetricsWriter
 from .policy import Policy
 from .staleness import StalenessGate
+
+log = logging.getLogger(__name__)
+ENGINE_COUNTERS = (
+    "prefills",
+    "prefill_tokens",
+    "prefix_hit_tokens",
+    "prefix_full_hits",
+    "decode_steps",
+    "output_tokens",
+)
 
 
 @dataclass
@@ -480,8 +491,23 @@ class Trainer:
             },
             **{f"dropped/{k}": float(v) for k, v in dropped.items()},
         }
+        scalars.update(await self._engine_counters())
         metrics.log(self.state.step + 1, scalars, {"staleness": [float(s) for s in stale]})
         return scalars
+
+    async def _engine_counters(self) -> dict[str, float]:
+        """The engine's running totals (prefills, prefill and prefix-hit tokens, decode steps,
+        output tokens) as ``engine/*`` metrics, where its health report carries them."""
+        try:
+            health = await self.engine.health()
+        except Exception as exc:  # a metric must not end the run
+            log.warning("engine health unavailable: %r", exc)
+            return {}
+        return {
+            f"engine/{k}": float(health[k])
+            for k in ENGINE_COUNTERS
+            if isinstance(health.get(k), int | float)
+        }
 
 
 def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:

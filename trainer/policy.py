@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from areal_agents.engine import WeightUpdate
+from areal_agents.trajectory import common_prefix_len
 
 
 @dataclass
@@ -88,14 +89,6 @@ def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return bins
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def pack_shared(seqs: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
     """Micro-batches for the tree layout: items in lexicographic order, each micro-batch
     holding at most ``max_tokens`` tree tokens (an item costs its length minus the prefix
@@ -105,7 +98,7 @@ def pack_shared(seqs: Sequence[Sequence[int]], max_tokens: int) -> list[list[int
     bins: list[list[int]] = []
     used = 0
     for k, i in enumerate(order):
-        shared = _common_prefix(seqs[order[k - 1]], seqs[i]) if bins and bins[-1] else 0
+        shared = common_prefix_len(seqs[order[k - 1]], seqs[i]) if bins and bins[-1] else 0
         cost = len(seqs[i]) - shared
         if bins and used + cost <= max_tokens:
             bins[-1].append(i)
@@ -120,7 +113,7 @@ def tree_tokens(seqs: Sequence[Sequence[int]]) -> int:
     """Tokens of the prefix tree of ``seqs`` (what :func:`make_tree_packed` lays out)."""
     order = sorted(range(len(seqs)), key=lambda i: list(seqs[i]))
     return sum(
-        len(seqs[i]) - (_common_prefix(seqs[order[k - 1]], seqs[i]) if k else 0)
+        len(seqs[i]) - (common_prefix_len(seqs[order[k - 1]], seqs[i]) if k else 0)
         for k, i in enumerate(order)
     )
 
@@ -192,7 +185,7 @@ def make_tree_packed(
                 branches.setdefault(seqs[i][depth], []).append(i)
         for branch in branches.values():
             first = seqs[branch[0]]
-            end = min(_common_prefix(first, seqs[i]) for i in branch)
+            end = min(common_prefix_len(first, seqs[i]) for i in branch)
             segments.append((parent, branch[0], depth, end))
             grow(branch, end, len(segments) - 1)
 

@@ -79,6 +79,52 @@ async def test_late_request_joins_running_batch(engine):
     assert h["decode_steps"] < h["output_tokens"]
 
 
+async def test_waiting_requests_are_prefilled_together_exactly(tiny_model_dir, hf_model):
+    """Requests waiting at once are prefilled in chunks of one forward pass each, rows with
+    and without cached prefixes mixed (left-padded cache, right-padded new tokens); a request
+    whose prefix an earlier one of the round computes waits a round and reuses it whole.
+    Greedy outputs and logprobs equal plain transformers."""
+    system = list(range(200, 260))  # 60 tokens, cached before the round
+    group = list(range(500, 550))  # two identical 50-token prompts, nothing cached
+    prompts = [
+        [*system, *range(20, 29)],  # 8 new tokens to prefill (the last is decoded)
+        [*system, *range(30, 40)],  # 9
+        [*system, *range(40, 51)],  # 10
+        list(range(300, 311)),  # 10, nothing cached
+        group,  # 49, nothing cached
+        [*system, *range(400, 480)],  # 79
+        list(group),  # waits for the first copy: all cached
+    ]
+    eng = EmbeddedEngine.from_pretrained(tiny_model_dir, dtype="float32", max_batch_size=8)
+    greedy = SamplingParams(temperature=0, max_new_tokens=5)
+    try:
+        await eng.generate([*system, 7], greedy)
+        before = await eng.health()
+        await eng.pause()
+        tasks = [asyncio.create_task(eng.generate(p, greedy)) for p in prompts]
+        await asyncio.sleep(0.2)  # all are waiting
+        await eng.resume()
+        results = await asyncio.gather(*tasks)
+        after = await eng.health()
+        delta = {k: after[k] - before[k] for k in ("prefills", "prefill_batches")}
+        # chunks [8, 9, 10, 10] and [49, 79]; the second copy of the group prompt needs none
+        assert delta == {"prefills": 6, "prefill_batches": 2}
+        assert after["prefix_full_hits"] - before["prefix_full_hits"] == 1
+        for prompt, res in zip(prompts, results, strict=True):
+            ref = hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=5,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+            assert res.output_ids == ref
+            lp = recompute_logprobs(hf_model, prompt, res.output_ids)
+            assert torch.allclose(lp, torch.tensor(res.output_logprobs), atol=1e-4)
+    finally:
+        await eng.close()
+
+
 async def test_prefix_cache_reuses_shared_prompts_exactly(tiny_model_dir, hf_model):
     """Prompts sharing a system prefix, and a second turn extending the first, prefill only
     their new tokens; outputs and logprobs equal a fresh forward pass; a weight update
@@ -109,6 +155,15 @@ async def test_prefix_cache_reuses_shared_prompts_exactly(tiny_model_dir, hf_mod
             assert res.output_ids == ref
             lp = recompute_logprobs(hf_model, prompt, res.output_ids)
             assert torch.allclose(lp, torch.tensor(res.output_logprobs), atol=1e-4)
+        # The same prompt again (a group's episodes): its prefill is all cached, no forward.
+        prefills = stats["prefills"]
+        again = await eng.generate(first, greedy)
+        stats = await eng.health()
+        assert (stats["prefills"], stats["prefix_full_hits"]) == (prefills, 1)
+        assert again.output_ids == a.output_ids
+        assert torch.allclose(
+            torch.tensor(again.output_logprobs), torch.tensor(a.output_logprobs), atol=1e-5
+        )
         state = {k: v.clone() for k, v in hf_model.state_dict().items()}
         state["model.norm.weight"] = state["model.norm.weight"] * 1.5
         from areal_agents.engine import WeightUpdate

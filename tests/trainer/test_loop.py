@@ -444,6 +444,8 @@ def test_ppo_runs_in_the_loop_and_resumes_its_critic(tiny_model_dir, tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all("value_loss" in r and "explained_variance" in r for r in rows)
+    # the embedded engine's running totals ride along
+    assert all(r["engine/output_tokens"] > 0 and r["engine/prefills"] >= 1 for r in rows)
     assert second.critic is not None
     assert any(not torch.equal(second.critic.params[k], saved[k]) for k in saved)
 
