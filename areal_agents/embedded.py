@@ -387,10 +387,10 @@ class EmbeddedEngine:
             jobs: list[_Prefill] = []
             later: list[_Request] = []
             for req in self._waiting:
-                prefix = (req.prompt_ids + req.out_ids)[:-1]
                 if len(jobs) >= room:
                     later.append(req)
                     continue
+                prefix = (req.prompt_ids + req.out_ids)[:-1]
                 hit, kv = self._prefixes.lookup(prefix)
                 shared = max((common_prefix_len(prefix, j.prefix) for j in jobs), default=0)
                 if shared >= hit + _SHARE_MIN_TOKENS:
@@ -459,8 +459,9 @@ class EmbeddedEngine:
         kwargs: dict[str, Any] = {}
         if width:
             past = []
-            for layer in range(len(next(j.kv for j in jobs if j.kv))):
-                ref = next(j.kv for j in jobs if j.kv)[layer][0]
+            cached = next(j.kv for j in jobs if j.kv)
+            for layer in range(len(cached)):
+                ref = cached[layer][0]
                 k = ref.new_zeros(n, ref.shape[1], width, ref.shape[3])
                 v = torch.zeros_like(k)
                 for r, j in enumerate(jobs):

@@ -74,6 +74,7 @@ ENGINE_COUNTERS = (
     "prefill_tokens",
     "prefix_hit_tokens",
     "prefix_full_hits",
+    "prefill_batches",
     "decode_steps",
     "output_tokens",
 )
@@ -496,8 +497,9 @@ class Trainer:
         return scalars
 
     async def _engine_counters(self) -> dict[str, float]:
-        """The engine's running totals (prefills, prefill and prefix-hit tokens, decode steps,
-        output tokens) as ``engine/*`` metrics, where its health report carries them."""
+        """The engine's running totals (prefills and their batches, prefill and prefix-hit
+        tokens, decode steps, output tokens) as ``engine/*`` metrics, where its health report
+        carries them."""
         try:
             health = await self.engine.health()
         except Exception as exc:  # a metric must not end the run

@@ -36,21 +36,26 @@ def recompute_logprobs(model, prompt, output, temperature=1.0):
     return torch.log_softmax(scaled, -1).gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
 
 
+def assert_greedy_matches_hf(model, prompt, res, max_new_tokens):
+    """``res`` is plain transformers' greedy continuation of ``prompt``, with its logprobs."""
+    ref = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    assert res.output_ids == ref
+    lp = recompute_logprobs(model, prompt, res.output_ids)
+    assert torch.allclose(lp, torch.tensor(res.output_logprobs), atol=1e-4)
+
+
 async def test_greedy_batched_matches_hf_generate_and_logprobs(engine, hf_model):
     prompts = [list(range(100, 100 + n)) for n in (5, 17, 1, 40)]
     greedy = SamplingParams(temperature=0, max_new_tokens=10)
     results = await asyncio.gather(*[engine.generate(p, greedy) for p in prompts])
     for prompt, res in zip(prompts, results, strict=True):
-        ref = hf_model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=10,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
-        assert res.output_ids == ref
-        lp = recompute_logprobs(hf_model, prompt, res.output_ids)
-        assert torch.allclose(lp, torch.tensor(res.output_logprobs), atol=1e-4)
+        assert_greedy_matches_hf(hf_model, prompt, res, 10)
         assert res.output_versions == [0] * 10
         assert res.finish_reason == "length"
 
@@ -111,16 +116,7 @@ async def test_waiting_requests_are_prefilled_together_exactly(tiny_model_dir, h
         assert delta == {"prefills": 6, "prefill_batches": 2}
         assert after["prefix_full_hits"] - before["prefix_full_hits"] == 1
         for prompt, res in zip(prompts, results, strict=True):
-            ref = hf_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=5,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-            assert res.output_ids == ref
-            lp = recompute_logprobs(hf_model, prompt, res.output_ids)
-            assert torch.allclose(lp, torch.tensor(res.output_logprobs), atol=1e-4)
+            assert_greedy_matches_hf(hf_model, prompt, res, 5)
     finally:
         await eng.close()
 
@@ -145,16 +141,7 @@ async def test_prefix_cache_reuses_shared_prompts_exactly(tiny_model_dir, hf_mod
         # pending last token)
         assert stats["prefix_hit_tokens"] == 60 + len(first) - 1
         for prompt, res in ((first, a), (other, b), (second, c)):
-            ref = hf_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=6,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-            assert res.output_ids == ref
-            lp = recompute_logprobs(hf_model, prompt, res.output_ids)
-            assert torch.allclose(lp, torch.tensor(res.output_logprobs), atol=1e-4)
+            assert_greedy_matches_hf(hf_model, prompt, res, 6)
         # The same prompt again (a group's episodes): its prefill is all cached, no forward.
         prefills = stats["prefills"]
         again = await eng.generate(first, greedy)
