@@ -12,7 +12,8 @@ included); evaluation time is not part of it.
     python benchmarks/learning_curve.py runs/calc-s0 runs/calc-s1 --episodes 128 \\
         --png benchmarks/learning_curve.png
 
-Reports are cached in ``step-N/eval/report.json``; a rerun only evaluates new checkpoints.
+Reports are cached in ``step-N/eval/`` with the request that made them (env kwargs, problems,
+seed, limits); a rerun only evaluates checkpoints whose request differs or is new.
 Prints one markdown table row per checkpoint and, per run, the gain of the last checkpoint
 over step 0.
 """
@@ -37,6 +38,25 @@ def checkpoints(run: Path) -> list[Path]:
     return found
 
 
+def eval_request(
+    run: Path, episodes: int, seed: int, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What decides a checkpoint's held-out result: env, kwargs (the run's, ``overrides`` on
+    top, the test split), problems, seed and the sampling and length limits."""
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    return {
+        "env": cfg["env"]["id"],
+        "env_kwargs": {**(cfg["env"].get("kwargs") or {}), **(overrides or {}), "split": "test"},
+        "model": cfg["model"].get("path"),
+        "dtype": cfg["model"].get("dtype") or "auto",
+        "episodes": episodes,
+        "seed": seed,
+        "temperature": 0,
+        "max_tokens": cfg["sampling"]["max_new_tokens"],
+        "max_turns": cfg["rollout"]["max_turns"],
+    }
+
+
 def evaluate(
     run: Path,
     ckpt: Path,
@@ -45,45 +65,24 @@ def evaluate(
     concurrency: int,
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The checkpoint's eval report, from ``step-N/eval/`` when it was made by the same
+    request (``request.json``), else from a fresh ``areal-agent eval``."""
     out = ckpt / "eval"
-    cached = out / "report.json"
-    if cached.exists():
+    cached, recorded = out / "report.json", out / "request.json"
+    request = eval_request(run, episodes, seed, overrides)
+    if cached.exists() and recorded.exists() and json.loads(recorded.read_text()) == request:
         report: dict[str, Any] = json.loads(cached.read_text())
-        if report.get("episodes") == episodes:
-            return report
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
-    env_kwargs = {**(cfg["env"].get("kwargs") or {}), **(overrides or {}), "split": "test"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal_agents.cli",
-        "eval",
-        "--env",
-        cfg["env"]["id"],
-        "--env-kwargs",
-        json.dumps(env_kwargs),
-        "--adapter",
-        str(ckpt / "model"),
-        "--episodes",
-        str(episodes),
-        "--seed",
-        str(seed),
-        "--temperature",
-        "0",
-        "--max-tokens",
-        str(cfg["sampling"]["max_new_tokens"]),
-        "--max-turns",
-        str(cfg["rollout"]["max_turns"]),
-        "--concurrency",
-        str(concurrency),
-        "--dtype",
-        cfg["model"].get("dtype") or "auto",
-        "--out",
-        str(out),
-    ]
-    if cfg["model"].get("path"):
-        cmd += ["--model", cfg["model"]["path"]]
+        return report
+    cmd = [sys.executable, "-m", "areal_agents.cli", "eval", "--env", request["env"]]
+    cmd += ["--env-kwargs", json.dumps(request["env_kwargs"]), "--adapter", str(ckpt / "model")]
+    for flag in ("episodes", "seed", "temperature", "max_tokens", "max_turns", "dtype"):
+        cmd += [f"--{flag.replace('_', '-')}", str(request[flag])]
+    cmd += ["--concurrency", str(concurrency), "--out", str(out)]
+    if request["model"]:
+        cmd += ["--model", request["model"]]
+    recorded.unlink(missing_ok=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    recorded.write_text(json.dumps(request, indent=1) + "\n")
     result: dict[str, Any] = json.loads(cached.read_text())
     return result
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import time
@@ -133,3 +134,40 @@ def test_both_scripts_run_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| ours (eta=0) |" in out.stdout
+
+
+def test_learning_curve_reuses_a_report_only_for_the_same_request(tmp_path, monkeypatch):
+    curve = _script("learning_curve")
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step-000000"
+    (ckpt / "model").mkdir(parents=True)
+    (run / "config.yaml").write_text(
+        "env: {id: areal/Calculator-v0, kwargs: {word_fraction: 0.8}}\n"
+        "model: {dtype: bfloat16}\nsampling: {max_new_tokens: 64}\nrollout: {max_turns: 3}\n"
+    )
+    calls: list[list[str]] = []
+
+    def fake_eval(cmd, check, stdout):
+        calls.append(cmd)
+        kwargs = json.loads(cmd[cmd.index("--env-kwargs") + 1])
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        report = {"episodes": 8, "success_rate": kwargs["word_fraction"]}
+        (out / "report.json").write_text(json.dumps(report))
+
+    monkeypatch.setattr(curve.subprocess, "run", fake_eval)
+    first = curve.evaluate(run, ckpt, 8, 0, 4, {"word_fraction": 0.5})
+    assert first["success_rate"] == 0.5 and len(calls) == 1
+    kwargs = json.loads(calls[0][calls[0].index("--env-kwargs") + 1])
+    assert kwargs == {"word_fraction": 0.5, "split": "test"}
+    assert calls[0][calls[0].index("--adapter") + 1] == str(ckpt / "model")
+    # The same request is served from step-N/eval; another mix or seed is evaluated afresh.
+    assert curve.evaluate(run, ckpt, 8, 0, 16, {"word_fraction": 0.5}) == first
+    assert len(calls) == 1
+    assert curve.evaluate(run, ckpt, 8, 0, 4, None)["success_rate"] == 0.8
+    assert curve.evaluate(run, ckpt, 8, 1, 4, None)["success_rate"] == 0.8
+    assert len(calls) == 3
+    # A report without the request that made it (an older cache) is not trusted.
+    (ckpt / "eval" / "request.json").unlink()
+    curve.evaluate(run, ckpt, 8, 1, 4, None)
+    assert len(calls) == 4
