@@ -162,6 +162,9 @@ class LossSpec:
     """Weight of the KL penalty to the reference model; 0 = none."""
     kl_estimator: KLEstimator = "k3"
     """k1, k2 or k3 estimator of KL(pi_theta || pi_ref)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (the policy's token entropy at the sampling temperature,
+    aggregated like the policy loss); 0 = none."""
     value_clip: float | None = 0.2
     """Critic value clip range (PPO); None = unclipped."""
 
@@ -183,6 +186,8 @@ class LossSpec:
             problems.append(f"loss.behaviour_cap: expected >= 1, got {self.behaviour_cap}")
         if self.kl_coef < 0:
             problems.append(f"loss.kl_coef: expected >= 0, got {self.kl_coef}")
+        if self.entropy_coef < 0:
+            problems.append(f"loss.entropy_coef: expected >= 0, got {self.entropy_coef}")
         _raise("loss", problems)
 
     @property
@@ -232,6 +237,7 @@ class LossSpec:
             m2po_tau=self.m2po_tau,
             kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator,
+            entropy_coef=self.entropy_coef,
             **inputs,  # type: ignore[arg-type]
         )
 

@@ -224,6 +224,9 @@ class LossConfig(_Checked):
     """Proximal logprobs: an extra forward pass, or interpolated from the versions."""
     kl_coef: float | None = None
     """Weight of the KL penalty to the reference (initial) model; 0 = none."""
+    entropy_coef: float | None = None
+    """Weight of an entropy bonus on the trained tokens (against early collapse of
+    exploration); 0 = none."""
     agg: Literal["mean", "sum", "sum_norm"] | None = None
     """Token losses within a unit: mean, sum, or sum / max_new_tokens (Dr.GRPO)."""
     weighting: Literal["episode", "token", "completion"] | None = None
@@ -236,6 +239,7 @@ class LossConfig(_Checked):
             ("clip_high", high is None or high > 0, "> 0 or null"),
             ("behaviour_cap", cap is None or cap >= 1, ">= 1 (on-policy tokens weigh 1) or null"),
             ("kl_coef", kl is None or kl >= 0, ">= 0 or null"),
+            ("entropy_coef", self.entropy_coef is None or self.entropy_coef >= 0, ">= 0 or null"),
         )
 
 
@@ -281,9 +285,10 @@ class RunConfig(_Checked):
     save_every: int = 50
     """Checkpoint every this many steps (and at the end); 0 = only at the end."""
     time_limit_min: float | None = None
-    """Stop after this many wall-clock minutes (warm start included, summed over resumes):
-    the step in progress finishes, then a checkpoint and the final model are written;
-    None = no limit, run ``steps`` steps."""
+    """Wall-clock budget in minutes (warm start included, summed over resumes): the run stops
+    after the last step expected to end within it (the next step, as long as the mean of the
+    last three, would overrun it), then writes a checkpoint and the final model; None = no
+    limit, run ``steps`` steps."""
     resume: bool = False
     """Continue from the latest checkpoint in output_dir."""
 

@@ -39,7 +39,7 @@ import random
 import shutil
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -350,6 +350,7 @@ class Trainer:
             file=sys.stderr,
         )
         summary: dict[str, Any] = {}
+        recent: deque[float] = deque(maxlen=3)  # step durations, s
         try:
             while st.step < cfg.train.steps:
                 t0 = time.perf_counter()
@@ -370,7 +371,10 @@ class Trainer:
                 await gate.set_version(version)
                 every = cfg.train.save_every
                 limit = cfg.train.time_limit_min
-                out_of_time = limit is not None and self._elapsed() >= 60 * limit
+                recent.append(time.perf_counter() - t0)
+                out_of_time = limit is not None and out_of_time_budget(
+                    self._elapsed(), list(recent), 60 * limit
+                )
                 last = st.step == cfg.train.steps or out_of_time
                 if (every and st.step % every == 0) or last:
                     self._checkpoint()
@@ -384,7 +388,8 @@ class Trainer:
                 if out_of_time:
                     if not self.quiet:
                         print(
-                            f"train.time_limit_min={limit} reached after step {st.step}",
+                            f"train.time_limit_min={limit}: stopping after step {st.step} "
+                            f"({self._elapsed() / 60:.1f} min; another step would overrun)",
                             file=sys.stderr,
                         )
                     summary["stopped_by_time_limit"] = True
@@ -450,6 +455,7 @@ class Trainer:
             temp,
             cfg.train.micro_batch_tokens,
             batch.mask,
+            self.spec.loss.entropy_coef > 0,
         )
         policy_keys = set(stats) - {"grad_norm", "micro_batches", "entropy_sum", "tokens"}
         if self.critic is not None:
@@ -512,6 +518,17 @@ class Trainer:
         }
 
 
+def out_of_time_budget(elapsed_s: float, recent_steps_s: list[float], limit_s: float) -> bool:
+    """Whether to stop before another step: the budget is spent, or the next step, taking as
+    long as the mean of the recent ones, would end after it (so the last checkpoint falls
+    inside ``train.time_limit_min`` rather than one step past it)."""
+    if elapsed_s >= limit_s:
+        return True
+    if not recent_steps_s:
+        return False
+    return elapsed_s + sum(recent_steps_s) / len(recent_steps_s) > limit_s
+
+
 def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:
     """The configured algorithm, with every ``loss.*`` value the config sets (not None) and,
     for a critic algorithm, the ``critic.*`` GAE and value-clip settings."""
@@ -523,6 +540,7 @@ def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:
         "behaviour_correction",
         "behaviour_cap",
         "kl_coef",
+        "entropy_coef",
         "agg",
         "weighting",
     )

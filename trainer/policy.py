@@ -39,6 +39,8 @@ import torch
 from areal_agents.engine import WeightUpdate
 from areal_agents.trajectory import common_prefix_len
 
+from .loss import entropy_from_logits
+
 
 @dataclass
 class Packed:
@@ -239,12 +241,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
 
 
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, -1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, dict]]
 """(item indices, per-item token logprobs [len-1], per-item entropies) -> (loss, stats)."""
 
@@ -347,10 +343,15 @@ class Policy:
         ]
 
     def _per_item(
-        self, logits: torch.Tensor, packed: Packed, temperature: float, entropy: bool
+        self,
+        logits: torch.Tensor,
+        packed: Packed,
+        temperature: float,
+        entropy: bool,
+        entropy_grad: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per item, logprobs (and entropies) of its tokens 1..n-1; positions outside the
-        item's kept window hold 0 and carry no gradient."""
+        """Per item, logprobs (and entropies, with gradient if ``entropy_grad``) of its tokens
+        1..n-1; positions outside the item's kept window hold 0 and carry no gradient."""
         ids = packed.input_ids[0]
         logps, ents = [], []
         # row of ``logits`` for each row position (only kept positions were computed)
@@ -366,7 +367,10 @@ class Policy:
             else:
                 lg = logits[src]
             lp = token_logprobs(lg, ids[rows[a + 1 : b + 1]], temperature)
-            ent = token_entropy(lg.detach(), temperature) if entropy else lp.new_zeros(b - a)
+            if entropy:
+                ent = entropy_from_logits(lg if entropy_grad else lg.detach(), temperature)
+            else:
+                ent = lp.new_zeros(b - a)
             if (a, b) != (0, n):
                 pad = (lp.new_zeros(a), lp.new_zeros(n - b))
                 lp = torch.cat([pad[0], lp, pad[1]])
@@ -424,18 +428,22 @@ class Policy:
         temperature: float,
         micro_batch_tokens: int = 4096,
         needed: Sequence[torch.Tensor] | None = None,
+        entropy_grad: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over all ``seqs`` with gradient accumulation.
 
         ``needed``: per sequence, the tokens the loss uses (e.g. its loss mask); logits are
-        then computed only over their window (see :func:`make_packed`)."""
+        then computed only over their window (see :func:`make_packed`). ``entropy_grad``:
+        the entropies handed to ``loss_fn`` carry gradient (an entropy bonus); otherwise
+        they are detached, for metrics only."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         n_micro = 0
         for packed in self._pack(seqs, micro_batch_tokens, needed):
             with self._compute:
-                logps, ents = self._per_item(self._forward(packed), packed, temperature, True)
+                logits = self._forward(packed)
+                logps, ents = self._per_item(logits, packed, temperature, True, entropy_grad)
                 loss, stats = loss_fn(packed.items, logps, ents)
                 loss.backward()
             n_micro += 1

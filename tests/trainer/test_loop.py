@@ -21,7 +21,7 @@ from trainer.algorithms import ALGORITHMS
 from trainer.batch import add_gae, build_batch, make_loss_fn, make_value_loss_fn
 from trainer.config import load_config
 from trainer.critic import Critic
-from trainer.loop import _algorithm
+from trainer.loop import _algorithm, out_of_time_budget
 from trainer.policy import Policy, pack
 from trainer.staleness import StalenessGate
 
@@ -513,3 +513,54 @@ def test_kl_penalty_uses_the_starting_weights_as_reference(tiny_model_dir, lora)
     (ref,) = policy.ref_logprobs([eps[0].completions[0].prompt_ids], 1.0)
     (now,) = policy.logprobs([eps[0].completions[0].prompt_ids], 1.0)
     assert torch.allclose(ref, start[0], atol=1e-5) and not torch.allclose(now, ref, atol=1e-4)
+
+
+def test_time_budget_stops_before_a_step_that_would_overrun() -> None:
+    # 30-minute budget; the last three steps took 50, 60 and 70 s (mean 60 s).
+    recent = [50.0, 60.0, 70.0]
+    assert not out_of_time_budget(1700.0, recent, 1800.0)  # 1700 + 60 = 1760 <= 1800
+    assert not out_of_time_budget(1740.0, recent, 1800.0)  # ends exactly at the limit
+    assert out_of_time_budget(1741.0, recent, 1800.0)  # would end at 1801 s
+    assert out_of_time_budget(1800.0, [], 1800.0)  # spent, whatever the step time
+    assert not out_of_time_budget(10.0, [], 1800.0)  # no step measured yet
+
+
+def test_entropy_bonus_alone_raises_the_policys_entropy(tiny_model_dir):
+    """All rewards equal: zero advantages, no policy gradient; loss.entropy_coef > 0 then
+    moves the policy towards higher entropy on the trained tokens, and 0 leaves it still."""
+    policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=2e-3)
+    with torch.no_grad():  # a random model is near the maximum entropy: sharpen it first
+        policy.model.get_output_embeddings().weight.mul_(3.0)
+    eps = _episodes(policy)
+    for ep in eps:
+        ep.final_reward = 1.0
+    for coef in (0.0, 0.5):
+        cfg = load_config(
+            None,
+            [
+                "env.id=areal/Calculator-v0",
+                "algorithm=grpo",
+                "loss.proximal=loglinear",
+                f"loss.entropy_coef={coef}",
+            ],
+        )
+        spec = _algorithm(cfg)
+        assert spec.loss.entropy_coef == coef
+        before = {k: v.clone() for k, v in policy.model.named_parameters()}
+        ents = []
+        for version in range(3):
+            batch, _ = build_batch(eps, spec, 1.0, 16)
+            stats = policy.train_step(
+                batch.seqs,
+                make_loss_fn(batch, spec, cfg, version),
+                1.0,
+                64,
+                batch.mask,
+                entropy_grad=coef > 0,
+            )
+            ents.append(stats["entropy_sum"] / stats["tokens"])
+        moved = any(not torch.equal(v, before[k]) for k, v in policy.model.named_parameters())
+        if coef == 0:
+            assert not moved and ents[0] == pytest.approx(ents[-1])
+        else:
+            assert moved and ents[-1] > ents[0] + 1e-3, ents

@@ -372,3 +372,21 @@ def test_entropy_from_logits():
     # temperature flattens: entropy at T = 2 exceeds entropy at T = 1
     x = torch.tensor([[2.0, 0.0, -1.0]])
     assert entropy_from_logits(x, 2.0).item() > entropy_from_logits(x, 1.0).item()
+
+
+def test_entropy_bonus_by_hand():
+    # Zero advantages: the loss is the bonus alone, -c * token_mean(H) over the mask.
+    # H = [0.5, 1.5, (masked) 9.0], c = 0.2: -0.2 * (0.5 + 1.5) / 2 = -0.2.
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    ent = torch.tensor([[0.5, 1.5, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, stats = policy_loss(
+        logp, logp.detach(), None, torch.zeros(1), mask, entropy=ent, entropy_coef=0.2
+    )
+    assert loss.item() == approx(-0.2)
+    assert stats["entropy"] == approx(1.0)
+    loss.backward()
+    assert grad(ent).tolist() == [pytest.approx([-0.1, -0.1, 0.0])]
+    # without the coefficient the entropy is only reported
+    loss0, _ = policy_loss(logp, logp.detach(), None, torch.zeros(1), mask, entropy=ent)
+    assert loss0.item() == approx(0.0)
