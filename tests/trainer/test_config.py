@@ -61,6 +61,7 @@ loss:
   behaviour_cap: 3
   proximal: loglinear
   kl_coef: 0.001
+  entropy_coef: 0.01
   agg: sum_norm
   weighting: token
 critic: {path: null, lr: 1.0e-5, lam: 0.95, value_clip: 0.2, whiten: true}
