@@ -154,7 +154,12 @@ def make_loss_fn(batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: i
 
         mask, behav = rows(batch.mask), rows(batch.behav)
         extra = {"ref_logp": rows(batch.ref)} if batch.ref is not None else {}
-        if spec.loss.entropy_coef > 0:  # the bonus: entropies carry gradient (train_step)
+        if spec.loss.entropy_coef > 0:
+            if not any(e.requires_grad for e in ents):
+                raise ValueError(
+                    "loss.entropy_coef > 0 needs entropies with gradient: call "
+                    "Policy.train_step(..., entropy_grad=True)"
+                )
             extra["entropy"] = _pad(ents)
         if cfg.loss.proximal == "recompute":
             assert batch.prox is not None

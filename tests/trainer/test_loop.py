@@ -564,3 +564,14 @@ def test_entropy_bonus_alone_raises_the_policys_entropy(tiny_model_dir):
             assert not moved and ents[0] == pytest.approx(ents[-1])
         else:
             assert moved and ents[-1] > ents[0] + 1e-3, ents
+
+
+def test_entropy_bonus_without_entropy_gradients_names_the_fix(tiny_model_dir):
+    policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-3)
+    cfg = load_config(
+        None, ["env.id=areal/Calculator-v0", "loss.proximal=loglinear", "loss.entropy_coef=0.1"]
+    )
+    spec = _algorithm(cfg)
+    batch, _ = build_batch(_episodes(policy), spec, 1.0, 16)
+    with pytest.raises(ValueError, match="entropy_grad=True"):
+        policy.train_step(batch.seqs, make_loss_fn(batch, spec, cfg, 0), 1.0, 64, batch.mask)
