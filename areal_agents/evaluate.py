@@ -1,8 +1,11 @@
 """Evaluation: run an env's tasks k times each, report success, pass@k, pass^k and failures.
 
-``episodes`` is the total number of episodes: ``episodes // k`` tasks (task t uses seed
-``seed + t``), each sampled ``k`` times as one group. Per task with ``c`` successes out of
-``n`` samples:
+``episodes`` is the total number of episodes: ``episodes // k`` tasks, each sampled ``k``
+times as one group; task t resets its env with seed ``seed + t``. When the env has a fixed
+pool (``num_tasks()``), the tasks are distinct pool entries, a seeded permutation of the
+pool (``options={"task_index": i}``), so 128 episodes are 128 different problems while the
+pool lasts; otherwise the seed picks the task. Per task with ``c`` successes out of ``n``
+samples:
 
     pass@k = 1 - C(n - c, k) / C(n, k)      (at least one of k samples succeeds)
     pass^k = C(c, k) / C(n, k)              (all k samples succeed; tau-bench's reliability)
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -56,10 +60,17 @@ class EvalReport:
     by_kind: dict[str, float] = field(default_factory=dict)
     """Success rate per task kind, when the env labels tasks (e.g. arithmetic / word)."""
     duration_s: float = 0.0
+    distinct_tasks: int | None = None
+    """How many of the tasks differ (None when the env has no fixed pool to draw from)."""
 
     def table(self) -> str:
         rows = [
             ("episodes", f"{self.episodes} ({self.tasks} tasks x {self.k})"),
+            *(
+                [("distinct tasks", f"{self.distinct_tasks}")]
+                if self.distinct_tasks is not None
+                else []
+            ),
             ("success rate", f"{self.success_rate:.1%}"),
             (f"pass@{self.k}", f"{self.pass_at_k:.1%}"),
             (f"pass^{self.k}", f"{self.pass_hat_k:.1%}"),
@@ -124,10 +135,15 @@ async def evaluate(
     loop = asyncio.get_running_loop()
     start = loop.time()
 
+    indices = task_indices(make_env, episodes // k, seed)
+
     async def one_task(t: int) -> list[EpisodeResult]:
         results = []
+        options = None if indices is None else {"task_index": indices[t]}
         coros = [
-            runner.run_episode(make_env, seed=seed + t, agent=agent, group_id=f"task-{seed + t}")
+            runner.run_episode(
+                make_env, seed=seed + t, options=options, agent=agent, group_id=f"task-{seed + t}"
+            )
             for _ in range(k)
         ]
         for fut in asyncio.as_completed(coros):
@@ -138,7 +154,32 @@ async def evaluate(
         return results
 
     groups = list(await asyncio.gather(*[one_task(t) for t in range(episodes // k)]))
-    return summarize(env_id, groups, k, loop.time() - start), groups
+    report = summarize(env_id, groups, k, loop.time() - start)
+    report.distinct_tasks = None if indices is None else len(set(indices))
+    return report, groups
+
+
+def task_indices(make_env: Callable[[], Any], tasks: int, seed: int) -> list[int] | None:
+    """Pool indices of ``tasks`` evaluation tasks: a permutation of the env's pool seeded by
+    ``seed`` (repeated, each time reshuffled, when more tasks than the pool holds are asked
+    for), or None when the env has no fixed pool (``num_tasks()`` missing or None)."""
+    env = make_env()
+    try:
+        count_of = getattr(getattr(env, "unwrapped", env), "num_tasks", None)
+        count = count_of() if callable(count_of) else None
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
+    if not count:
+        return None
+    rng = random.Random(f"eval:{seed}")
+    order: list[int] = []
+    while len(order) < tasks:
+        block = list(range(count))
+        rng.shuffle(block)
+        order += block
+    return order[:tasks]
 
 
 def write_outputs(

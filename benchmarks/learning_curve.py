@@ -54,6 +54,7 @@ def eval_request(
         "temperature": 0,
         "max_tokens": cfg["sampling"]["max_new_tokens"],
         "max_turns": cfg["rollout"]["max_turns"],
+        "tasks": "distinct",  # areal-agent eval walks a permutation of the test pool
     }
 
 

@@ -147,6 +147,11 @@ class AgentEnv(gymnasium.Env[list[Message], Message]):
         from ``self.np_random``) and return its first messages and info (``"task_id"``)."""
         raise NotImplementedError
 
+    def num_tasks(self) -> int | None:
+        """How many tasks ``reset(options={"task_index": i})`` picks from, or None when the
+        env has no fixed pool (evaluation then draws tasks by seed, possibly repeating)."""
+        return None
+
     def tools(self) -> list[Tool]:
         """The tools of the current episode, bound to its state (call after ``reset``)."""
         return list(self._tools)

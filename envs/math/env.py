@@ -26,9 +26,18 @@ that evaluates without error earns, on its turn,
 
 where ``nums`` is the multiset of numbers written in the text: the call must use every number
 of the question once and no other (the shape of every generated task's solution); a call
-that copies one number, or invents one, earns nothing, so no shortcut earns part of c. Only
-the first successful call counts, so repeating calls earns nothing more. Success is
-unchanged: only a correct final answer succeeds.
+that copies one number, or invents one, earns nothing, so no shortcut earns part of c.
+``grounded_ops_reward`` c_ops [0.0] adds credit for a grounded call that also uses the
+operators of the task's solution (``ops``: the multiset of ``+ - * /`` in it, parentheses
+and order aside):
+
+    r_call += c_ops   if nums(expr) == nums(question) and ops(expr) == ops(solution)
+
+so a call that combines the right numbers with the wrong operation (``8 * 4 + 50`` for
+``50 - 8 * 4``) earns less than one with the right operation, and with c = 0 nothing at
+all: partial credit then does not teach one problem's operation on another. Only the first
+successful call counts, so repeating calls earns nothing more. Success is unchanged: only a
+correct final answer succeeds.
 
 ``max_turns`` counts assistant messages; running out of turns truncates the episode
 (``success=False``). The end-of-episode ``info`` has ``success``, ``final_reward`` (the
@@ -115,6 +124,9 @@ class _AnswerEnv(AgentEnv):
         messages = [{"role": "system", "content": self.system_prompt}, *self._prefix_messages()]
         messages.append({"role": "user", "content": self.task.question})
         return messages, {"task_id": self.task.task_id, "kind": self.task.kind}
+
+    def num_tasks(self) -> int:
+        return len(self.pool)
 
     def _task_index(self, options: Mapping[str, Any]) -> int:
         if "task_id" in options:
@@ -302,6 +314,8 @@ class CalculatorEnv(_AnswerEnv):
         correct_reward, wrong_reward, tool_call_reward: See the module docstring.
         grounded_call_reward: Partial credit c for the first successful calculator call
             when it uses exactly the question's numbers (module docstring) [0.0].
+        grounded_ops_reward: Extra credit c_ops for that call when it also uses the
+            operators of the task's solution (module docstring) [0.0].
         feedback: Reply to a wrong answer when ``max_attempts > 1``.
         system_prompt: The system message.
     """
@@ -328,11 +342,16 @@ class CalculatorEnv(_AnswerEnv):
         wrong_reward: float = 0.0,
         tool_call_reward: float = 0.0,
         grounded_call_reward: float = 0.0,
+        grounded_ops_reward: float = 0.0,
         feedback: str = WRONG_FEEDBACK,
         system_prompt: str = CALCULATOR_SYSTEM_PROMPT,
     ) -> None:
-        if grounded_call_reward < 0:
-            raise ValueError(f"grounded_call_reward must be >= 0, got {grounded_call_reward}")
+        for name, value in (
+            ("grounded_call_reward", grounded_call_reward),
+            ("grounded_ops_reward", grounded_ops_reward),
+        ):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         size = num_tasks or DEFAULT_NUM_TASKS[split]
         super().__init__(
             calculator_pool(kind, split, size, word_fraction),
@@ -347,6 +366,7 @@ class CalculatorEnv(_AnswerEnv):
         )
         self.few_shot = 2 if few_shot is True else int(few_shot)
         self.grounded_call_reward = float(grounded_call_reward)
+        self.grounded_ops_reward = float(grounded_ops_reward)
 
     def _prefix_messages(self) -> list[Message]:
         return [m for task in example_tasks(self.few_shot) for m in solved_turns(task, "example")]
@@ -354,13 +374,19 @@ class CalculatorEnv(_AnswerEnv):
     def _tool_reward(self, message: Message, records: list[dict[str, Any]]) -> float:
         first_call = not self.tool_used
         reward = super()._tool_reward(message, records)
-        if first_call and self.tool_used and self.grounded_call_reward > 0:
+        credit = self.grounded_call_reward + self.grounded_ops_reward
+        if first_call and self.tool_used and credit > 0:
             assert self.task is not None
             ok_ids = {r["tool_call_id"] for r in records if r["error"] is None}
             for call in message.get("tool_calls") or []:
                 if call.get("id") in ok_ids and call["function"]["name"] == "calculator":
-                    if grounded(_call_expression(call), self.task.question):
-                        return reward + self.grounded_call_reward
+                    expression = _call_expression(call)
+                    if not grounded(expression, self.task.question):
+                        return reward
+                    reward += self.grounded_call_reward
+                    solution = self.task.expression
+                    if solution and grounded(expression, self.task.question, solution):
+                        reward += self.grounded_ops_reward
                     return reward
         return reward
 
@@ -368,11 +394,19 @@ class CalculatorEnv(_AnswerEnv):
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
-def grounded(expression: str, question: str) -> bool:
+def grounded(expression: str, question: str, solution: str | None = None) -> bool:
     """True when ``expression`` uses exactly the numbers of ``question`` (as multisets) and
-    the question has some: ``grounded("12 - 5", "Ann had 12 and gave away 5.")``."""
+    the question has some: ``grounded("12 - 5", "Ann had 12 and gave away 5.")``; with a
+    ``solution``, also exactly its operators: ``grounded("5 - 12", ..., "12 - 5")`` is True,
+    ``grounded("12 + 5", ..., "12 - 5")`` is False."""
     given = Counter(_NUMBER.findall(question))
-    return bool(given) and Counter(_NUMBER.findall(expression)) == given
+    if not given or Counter(_NUMBER.findall(expression)) != given:
+        return False
+    return solution is None or _operators(expression) == _operators(solution)
+
+
+def _operators(expression: str) -> Counter[str]:
+    return Counter(ch for ch in expression if ch in "+-*/")
 
 
 def _call_expression(call: Mapping[str, Any]) -> str:

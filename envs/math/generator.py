@@ -8,7 +8,8 @@ Candidate ``j`` of a stream comes from ``random.Random(f"{mode}:{j}")``: string 
 hashed with SHA-512 by :mod:`random`, so the stream is the same in every process.
 
 - **arithmetic**: 2 or 3 integers (2 to 3 digits) joined by ``+``, ``-``, ``*``, with
-  optional parentheses; division only when exact (``a * b / b``);
+  optional parentheses; division only when exact (``a * b / b``); in ``a - b * c`` (the
+  shape of the word problems about change) ``a`` exceeds the product, so it may have 4;
 - **word**: one- or two-step templates (buying, giving away, sharing equally, packs, pages,
   change), answers positive integers.
 """
@@ -67,7 +68,19 @@ Template = Callable[[random.Random, str, str], tuple[str, str]]
 def make_arithmetic(rng: random.Random) -> tuple[str, str]:
     """A plain arithmetic question and its expression, e.g. ("What is 37 * 12 + 5?", ...)."""
     shape = rng.choice(
-        ("a+b", "a-b", "a*b", "a/b", "a*b+c", "a*b-c", "a+b*c", "(a+b)*c", "a+b-c", "(a-b)*c")
+        (
+            "a+b",
+            "a-b",
+            "a*b",
+            "a/b",
+            "a*b+c",
+            "a*b-c",
+            "a+b*c",
+            "a-b*c",
+            "(a+b)*c",
+            "a+b-c",
+            "(a-b)*c",
+        )
     )
     a, b, c = rng.randint(10, 999), rng.randint(10, 999), rng.randint(2, 99)
     if "*" in shape:
@@ -77,6 +90,8 @@ def make_arithmetic(rng: random.Random) -> tuple[str, str]:
         a = b * rng.randint(2, 60)
     if shape == "(a-b)*c" and a < b:
         a, b = b, a
+    if shape == "a-b*c":  # a positive result, like the word problems that subtract a product
+        a = b * c + rng.randint(1, 400)
     expression = (
         shape.replace("a", str(a))
         .replace("b", str(b))

@@ -182,6 +182,9 @@ class SearchEnv(AgentEnv):
 
     # ------------------------------------------------------------------ episode hooks
 
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
     def _start(self, options: Mapping[str, Any]) -> tuple[list[Message], dict[str, Any]]:
         self.task = self._pick(options)
         messages = [

@@ -131,6 +131,9 @@ class Tau2Env(AgentEnv):
 
     # ------------------------------------------------------------------ AgentEnv hooks
 
+    def num_tasks(self) -> int:
+        return len(self.task_ids())
+
     def _start(self, options: Mapping[str, Any]) -> tuple[list[Message], dict[str, Any]]:
         if self.user_simulator is None:
             raise ConfigError(

@@ -190,3 +190,31 @@ async def test_agent_driven_episode_is_scored_by_env(tok):
     assert res.success is True and res.reward == pytest.approx(1.0)
     assert len(res.episode.completions) == 2
     assert res.episode.returns(1.0)[res.episode.completions[0].id] == pytest.approx(1.0)
+
+
+async def test_evaluation_tasks_are_distinct_pool_entries(tok):
+    """`areal-agent eval` walks a seeded permutation of the env's pool: 24 tasks of a
+    24-task pool are the whole pool once; more tasks than the pool repeat it, reshuffled;
+    an env without a fixed pool falls back to seeds."""
+    from areal_agents.evaluate import evaluate, task_indices
+
+    proxy = Proxy(FakeEngine(solver(tok)), tok)
+    runner = Runner(proxy)
+
+    def make():
+        return CalculatorEnv(split="test", kind="arithmetic", num_tasks=24)
+
+    report, groups = await evaluate(runner, make, env_id="calc", episodes=24, seed=5)
+    ids = [g[0].episode.task_id for g in groups]
+    assert sorted(ids) == sorted(make().pool[i].task_id for i in range(24))
+    assert report.distinct_tasks == 24 and report.episodes == 24
+    assert "distinct tasks" in report.table()
+    # seeded: the same seed gives the same order, another seed another one
+    assert task_indices(make, 24, 5) == task_indices(make, 24, 5)
+    assert task_indices(make, 24, 5) != task_indices(make, 24, 6)
+    # more tasks than the pool holds: every entry once, then again
+    forty = task_indices(make, 40, 0)
+    assert forty is not None and sorted(forty[:24]) == list(range(24))
+    assert len(set(forty[24:])) == 16
+    # an env with no fixed pool: seeds pick the tasks
+    assert task_indices(lambda: _FlakyToolEnv(0), 4, 0) is None
