@@ -261,6 +261,40 @@ def test_grounded_hand_computed():
     assert not grounded("18 * 12", question)  # 12 is not in the question
     assert not grounded("18 * 19 * 19", question)  # 19 appears once in the question
     assert not grounded("1 + 1", "No numbers here.")
+    # with the solution: its operators too (a multiset; order and parentheses aside)
+    change = "A ticket costs 8 dollars. Ann buys 4 tickets and pays with 50 dollars."
+    assert grounded("50 - 8 * 4", change, "50 - 8 * 4")
+    assert grounded("8 * 4 - 50", change, "50 - 8 * 4")  # right ingredients, wrong order
+    assert grounded("50 - (8 * 4)", change, "50 - 8 * 4")
+    assert not grounded("8 * 4 + 50", change, "50 - 8 * 4")  # the wrong operation
+    assert not grounded("50 - 8 - 4", change, "50 - 8 * 4")
+    assert not grounded("50 - 8 * 4 * 1", change, "50 - 8 * 4")  # an invented number
+
+
+def test_calculator_grounded_ops_reward():
+    """`grounded_ops_reward`: extra credit when the grounded call has the solution's
+    operators; r = c [numbers] + c_ops [numbers and operators]."""
+    env = CalculatorEnv(kind="word", grounded_call_reward=0.1, grounded_ops_reward=0.2)
+    for seed in range(40):  # a task whose solution has two operators
+        env.reset(seed=seed)
+        if len(env.task.expression.split()) == 5:
+            break
+    a, op1, b, op2, c = env.task.expression.split()
+    wrong = {"+": "-", "-": "+", "*": "+", "/": "*"}
+    swapped = f"{a} {op1} {b} {wrong[op2]} {c}"
+    assert env.step(_calculator_call(swapped))[1] == pytest.approx(0.1)  # numbers only
+    env.reset(seed=seed)
+    reordered = f"{c} {op2} {a} {op1} {b}"  # the right ingredients in another order
+    assert env.step(_calculator_call(reordered))[1] == pytest.approx(0.1 + 0.2)
+    env.reset(seed=seed)
+    assert env.step(_calculator_call(f"{a} {op1} {b}"))[1] == 0.0  # a number missing
+    ops_only = CalculatorEnv(kind="word", grounded_ops_reward=0.3)  # c = 0
+    ops_only.reset(seed=seed)
+    assert ops_only.step(_calculator_call(swapped))[1] == 0.0
+    ops_only.reset(seed=seed)
+    assert ops_only.step(_calculator_call(env.task.expression))[1] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="grounded_ops_reward"):
+        CalculatorEnv(grounded_ops_reward=-0.1)
 
 
 def test_calculator_grounded_call_reward_once_per_episode():
