@@ -44,6 +44,7 @@ import torch
 
 from .engine import GenerateResult, SamplingParams, WeightUpdate
 from .errors import BackendError, ContextOverflow, UserError
+from .hardware import resolve_dtype
 from .trajectory import common_prefix_len
 
 log = logging.getLogger(__name__)
@@ -173,14 +174,15 @@ class EmbeddedEngine:
     ) -> EmbeddedEngine:
         """Load a HF model directory (or hub id) and serve it.
 
-        ``dtype``: "float32", "bfloat16", "float16" or "auto" (bfloat16 on CPU and on CUDA).
+        ``dtype``: "float32", "bfloat16", "float16" or "auto" (bfloat16 where the device
+        computes it natively, else float32: :func:`areal_agents.hardware.resolve_dtype`).
         ``adapter``: a saved peft LoRA adapter directory (``adapter_config.json`` and its
         weights, e.g. ``model/`` of a training checkpoint) applied on top of the model.
         """
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        torch_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
+        torch_dtype = getattr(torch, resolve_dtype(dtype, device))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
         model = model.to(device)  # type: ignore[arg-type]
         if adapter is not None:

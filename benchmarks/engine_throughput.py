@@ -6,7 +6,7 @@ dtype, sampling, the same number of new tokens per request). Ours: the embedded 
 every request produces exactly ``--new-tokens`` tokens. The sequential rate does not depend on
 how many requests run, so the baseline times ``--baseline-requests`` of them.
 
-    python benchmarks/engine_throughput.py [--model DIR] [--dtype bfloat16] [--concurrency 16]
+    python benchmarks/engine_throughput.py [--model DIR] [--dtype auto] [--concurrency 16]
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ def main() -> None:
     from areal_agents.chat import ChatTokenizer
     from areal_agents.embedded import EmbeddedEngine
     from areal_agents.engine import SamplingParams
+    from areal_agents.hardware import resolve_dtype
     from areal_agents.model import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF directory (default: the default model)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has it natively")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--baseline-requests", type=int, default=3)
@@ -62,6 +63,7 @@ def main() -> None:
 
     path = resolve_model(args.model)
     tok = ChatTokenizer.from_dir(path)
+    args.dtype = resolve_dtype(args.dtype, "cpu")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     batch = prompts(tok, args.concurrency)
     n_new = args.new_tokens

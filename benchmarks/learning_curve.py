@@ -5,7 +5,7 @@ For each run directory (``areal-agent train ... train.output_dir=DIR``) every ch
 of the run's env (the run's own ``config.yaml`` gives the env, its kwargs, the model and the
 token / turn limits; the checkpoint's LoRA adapter is applied with ``--adapter``). Step 0 is
 the warm-started model when the run had ``sft.enabled``. The model runs in the run's
-``model.dtype`` (``auto``: bfloat16, as the engine during training). The x axis is the run's
+``model.dtype`` (``auto`` resolves as for the engine during training). The x axis is the run's
 wall-clock time when the checkpoint was written (``state.json: elapsed_s``, warm start
 included); evaluation time is not part of it.
 

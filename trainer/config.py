@@ -108,7 +108,10 @@ class ModelConfig(_Checked):
     path: str | None = None
     """Local directory or hub id; None = the offline default model."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weight dtype; auto = bfloat16."""
+    """Weight dtype. auto: the engine serves in bfloat16 where the device computes it
+    natively (CUDA with bf16, CPUs with AVX512-BF16 / AMX / Arm BF16), else float32; the
+    trainer holds the weights in bfloat16 only then and with LoRA (the frozen base), else
+    float32. An explicit bfloat16 on a CPU without it runs far slower (a warning says so)."""
     device: str | None = None
     """``cpu``, ``cuda`` or ``cuda:N``; None = cuda when available, else cpu."""
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -49,6 +49,7 @@ import torch
 from areal_agents.chat import ChatTokenizer
 from areal_agents.embedded import FairLock
 from areal_agents.errors import ConfigError
+from areal_agents.hardware import resolve_dtype
 from areal_agents.model import resolve_model
 from areal_agents.proxy import Proxy
 from areal_agents.runner import EpisodeResult, Runner
@@ -126,7 +127,9 @@ class Trainer:
         _seed_everything(cfg.train.seed)
         self.model_path = resolve_model(cfg.model.path, quiet=self.quiet)
         self.tokenizer = ChatTokenizer.from_dir(self.model_path)
-        dtype = "float32" if cfg.model.dtype == "auto" else cfg.model.dtype
+        device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # auto: bfloat16 only where it is native and the weights it holds are frozen (LoRA)
+        dtype = resolve_dtype(cfg.model.dtype, device, low_precision_ok=cfg.model.lora.enabled)
         lora = None
         if cfg.model.lora.enabled:
             lora = {
@@ -163,7 +166,7 @@ class Trainer:
                 lr=cfg.critic.lr,
                 **shared,
             )
-        engine_dtype = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
+        engine_dtype = resolve_dtype(cfg.model.dtype, device)
         s = cfg.sampling
         sampling = {
             "temperature": s.temperature,
