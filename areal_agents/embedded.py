@@ -573,17 +573,22 @@ class EmbeddedEngine:
             device=logits.device,
         ).unsqueeze(1)
         logp = torch.log_softmax(logits / temps, dim=-1)
-        tokens: list[int] = []
+        tokens: list[int] = logp.argmax(-1).tolist()  # greedy rows keep these
+        sampled = [i for i, r in enumerate(self._active) if r.params.temperature > 0]
+        if sampled:
+            rows = [_truncate(logp[i], self._active[i].params) for i in sampled]
+            uniforms = torch.cat(
+                [
+                    torch.rand(1, generator=self._active[i].generator, device=logp.device)
+                    for i in sampled
+                ]
+            )
+            for i, tok in zip(sampled, _sample_rows(torch.stack(rows), uniforms), strict=True):
+                tokens[i] = tok
         tops: list[Any] = []
         for i, req in enumerate(self._active):
-            p = req.params
-            if p.temperature == 0:
-                tok = int(torch.argmax(logp[i]))
-            else:
-                tok = _sample_row(logp[i], p, req.generator)
-            tokens.append(tok)
-            if p.top_logprobs:
-                v, ix = torch.topk(logp[i], p.top_logprobs)
+            if req.params.top_logprobs:
+                v, ix = torch.topk(logp[i], req.params.top_logprobs)
                 tops.append(list(zip(ix.tolist(), v.tolist(), strict=True)))
             else:
                 tops.append(None)
@@ -820,8 +825,8 @@ def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([torch.zeros(mask.shape[0], missing, dtype=mask.dtype), mask], 1)
 
 
-def _sample_row(logp: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """Sample one token from temperature-scaled logprobs with top-k / top-p truncation."""
+def _truncate(logp: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logprobs of one row with top-k / top-p truncation (-inf outside)."""
     scores = logp
     if p.top_k and p.top_k < scores.shape[-1]:
         kth = torch.topk(scores, p.top_k).values[-1]
@@ -833,5 +838,17 @@ def _sample_row(logp: torch.Tensor, p: SamplingParams, gen: torch.Generator | No
         drop = probs.cumsum(-1) - probs >= p.top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = torch.softmax(scores, -1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return scores
+
+
+def _sample_rows(scores: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """One token per row of ``scores`` ([B, V] logprobs, -inf = excluded) by inversion:
+    token ``i`` is drawn when ``C[i-1] <= u * C[V-1] < C[i]``, where ``C`` is the running sum
+    of ``exp(scores)`` in float64 and ``u`` is the row's uniform in [0, 1), so
+    ``P(i) = exp(scores[i]) / sum_j exp(scores[j])``. One pass over the batch, where
+    ``torch.multinomial`` row by row cost ~1 ms per row for a 49k-token vocabulary."""
+    cdf = torch.exp(scores.double() - scores.max(-1, keepdim=True).values.double()).cumsum(-1)
+    target = uniforms.double().unsqueeze(1) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # u * total < total, so picked < V up to rounding; the clamp guards the last ulp
+    return picked.clamp_(max=scores.shape[-1] - 1).tolist()

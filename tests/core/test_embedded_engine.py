@@ -221,3 +221,27 @@ def test_batch_kv_layer_matches_left_padded_concatenation():
         layer.add_row(row, row + 1)
         ref.append(row[0])
         check()
+
+
+def test_inverse_cdf_sampling_hand_computed_and_distribution():
+    from areal_agents.embedded import _sample_rows, _truncate
+
+    # P = (0.1, 0.2, 0, 0.7): C = (0.1, 0.3, 0.3, 1.0); u picks the first i with u < C[i]
+    probs = torch.tensor([0.1, 0.2, 0.0, 0.7])
+    scores = probs.log().expand(6, 4)
+    uniforms = torch.tensor([0.0, 0.05, 0.1, 0.29, 0.31, 0.999])
+    assert _sample_rows(scores, uniforms) == [0, 0, 1, 1, 3, 3]
+    # truncation: top_k=2 keeps tokens 3 and 1 (0.7, 0.2), renormalized to 2/9, 7/9
+    kept = _truncate(probs.log(), SamplingParams(temperature=1.0, top_k=2))
+    assert _sample_rows(kept.expand(2, 4), torch.tensor([0.2, 0.25])) == [1, 3]
+    # frequencies over many draws match the probabilities (4 sigma of a binomial)
+    n = 200_000
+    logits = torch.tensor([2.0, 0.5, -1.0, 1.5, -30.0])
+    target = torch.softmax(logits, -1)
+    drawn = _sample_rows(
+        torch.log_softmax(logits, -1).expand(n, 5),
+        torch.rand(n, generator=torch.Generator().manual_seed(0)),
+    )
+    freq = torch.bincount(torch.tensor(drawn), minlength=5).double() / n
+    sigma = (target.double() * (1 - target.double()) / n).sqrt()
+    assert torch.all((freq - target.double()).abs() <= 4 * sigma + 1e-9)
