@@ -5,9 +5,10 @@ For each run directory (``areal-agent train ... train.output_dir=DIR``) every ch
 of the run's env (the run's own ``config.yaml`` gives the env, its kwargs, the model and the
 token / turn limits; the checkpoint's LoRA adapter is applied with ``--adapter``). Step 0 is
 the warm-started model when the run had ``sft.enabled``. The model runs in the run's
-``model.dtype`` (``auto`` resolves as for the engine during training). The x axis is the run's
-wall-clock time when the checkpoint was written (``state.json: elapsed_s``, warm start
-included); evaluation time is not part of it.
+``model.dtype`` (``auto`` resolved on this machine as for the engine during training; the
+resolved dtype is part of the cached request, so a report made in another dtype is redone).
+The x axis is the run's wall-clock time when the checkpoint was written (``state.json:
+elapsed_s``, warm start included); evaluation time is not part of it.
 
     python benchmarks/learning_curve.py runs/calc-s0 runs/calc-s1 --episodes 128 \\
         --png benchmarks/learning_curve.png
@@ -43,12 +44,17 @@ def eval_request(
 ) -> dict[str, Any]:
     """What decides a checkpoint's held-out result: env, kwargs (the run's, ``overrides`` on
     top, the test split), problems, seed and the sampling and length limits."""
+    import torch
+
+    from areal_agents.hardware import resolve_dtype
+
     cfg = yaml.safe_load((run / "config.yaml").read_text())
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # areal-agent eval's default
     return {
         "env": cfg["env"]["id"],
         "env_kwargs": {**(cfg["env"].get("kwargs") or {}), **(overrides or {}), "split": "test"},
         "model": cfg["model"].get("path"),
-        "dtype": cfg["model"].get("dtype") or "auto",
+        "dtype": resolve_dtype(cfg["model"].get("dtype") or "auto", device),
         "episodes": episodes,
         "seed": seed,
         "temperature": 0,

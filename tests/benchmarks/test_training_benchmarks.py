@@ -161,6 +161,7 @@ def test_learning_curve_reuses_a_report_only_for_the_same_request(tmp_path, monk
     kwargs = json.loads(calls[0][calls[0].index("--env-kwargs") + 1])
     assert kwargs == {"word_fraction": 0.5, "split": "test"}
     assert calls[0][calls[0].index("--adapter") + 1] == str(ckpt / "model")
+    assert calls[0][calls[0].index("--dtype") + 1] == "bfloat16"  # the run's explicit dtype
     # The same request is served from step-N/eval; another mix or seed is evaluated afresh.
     assert curve.evaluate(run, ckpt, 8, 0, 16, {"word_fraction": 0.5}) == first
     assert len(calls) == 1
@@ -171,3 +172,18 @@ def test_learning_curve_reuses_a_report_only_for_the_same_request(tmp_path, monk
     (ckpt / "eval" / "request.json").unlink()
     curve.evaluate(run, ckpt, 8, 1, 4, None)
     assert len(calls) == 4
+
+
+def test_learning_curve_request_holds_the_resolved_dtype(tmp_path):
+    import torch
+
+    from areal_agents.hardware import resolve_dtype
+
+    curve = _script("learning_curve")
+    (tmp_path / "config.yaml").write_text(
+        "env: {id: areal/Calculator-v0}\nmodel: {dtype: auto}\n"
+        "sampling: {max_new_tokens: 64}\nrollout: {max_turns: 3}\n"
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    request = curve.eval_request(tmp_path, 8, 0)
+    assert request["dtype"] == resolve_dtype("auto", device) != "auto"
