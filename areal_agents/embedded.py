@@ -44,7 +44,7 @@ import torch
 
 from .engine import GenerateResult, SamplingParams, WeightUpdate
 from .errors import BackendError, ContextOverflow, UserError
-from .hardware import resolve_dtype
+from .hardware import default_device, resolve_dtype
 from .trajectory import common_prefix_len
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class EmbeddedEngine:
         """
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = default_device(device)
         torch_dtype = getattr(torch, resolve_dtype(dtype, device))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
         model = model.to(device)  # type: ignore[arg-type]

@@ -16,13 +16,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cpu_flags", "native_bf16", "resolve_dtype"]
+__all__ = ["cpu_flags", "default_device", "native_bf16", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # /proc/cpuinfo flags of CPUs with bfloat16 arithmetic: x86 (AVX512-BF16, AMX) and Arm (BF16)
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def default_device(device: str | None = None) -> str:
+    """``device`` itself, or ``"cuda"`` when a CUDA device is available, else ``"cpu"``."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @functools.cache

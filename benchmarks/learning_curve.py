@@ -44,17 +44,14 @@ def eval_request(
 ) -> dict[str, Any]:
     """What decides a checkpoint's held-out result: env, kwargs (the run's, ``overrides`` on
     top, the test split), problems, seed and the sampling and length limits."""
-    import torch
-
-    from areal_agents.hardware import resolve_dtype
+    from areal_agents.hardware import default_device, resolve_dtype
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # areal-agent eval's default
     return {
         "env": cfg["env"]["id"],
         "env_kwargs": {**(cfg["env"].get("kwargs") or {}), **(overrides or {}), "split": "test"},
         "model": cfg["model"].get("path"),
-        "dtype": resolve_dtype(cfg["model"].get("dtype") or "auto", device),
+        "dtype": resolve_dtype(cfg["model"].get("dtype") or "auto", default_device()),
         "episodes": episodes,
         "seed": seed,
         "temperature": 0,

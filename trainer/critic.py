@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from areal_agents.errors import ConfigError
+from areal_agents.hardware import default_device
 
 from .advantage import tree_gae, whiten
 from .loss import explained_variance
@@ -78,7 +79,7 @@ class Critic:
     ) -> None:
         from transformers import AutoModel
 
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(default_device(device))
         backbone = AutoModel.from_pretrained(model_path, dtype=getattr(torch, dtype))
         hidden = int(backbone.config.hidden_size)
         if lora:

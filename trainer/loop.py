@@ -49,7 +49,7 @@ import torch
 from areal_agents.chat import ChatTokenizer
 from areal_agents.embedded import FairLock
 from areal_agents.errors import ConfigError
-from areal_agents.hardware import resolve_dtype
+from areal_agents.hardware import default_device, resolve_dtype
 from areal_agents.model import resolve_model
 from areal_agents.proxy import Proxy
 from areal_agents.runner import EpisodeResult, Runner
@@ -127,7 +127,7 @@ class Trainer:
         _seed_everything(cfg.train.seed)
         self.model_path = resolve_model(cfg.model.path, quiet=self.quiet)
         self.tokenizer = ChatTokenizer.from_dir(self.model_path)
-        device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = default_device(cfg.model.device)
         # auto: bfloat16 only where it is native and the weights it holds are frozen (LoRA)
         dtype = resolve_dtype(cfg.model.dtype, device, low_precision_ok=cfg.model.lora.enabled)
         lora = None
@@ -139,7 +139,7 @@ class Trainer:
                 "target_modules": list(cfg.model.lora.target_modules),
             }
         # On CPU the engine and the trainer share the cores: their forward passes take turns.
-        on_cpu = not torch.cuda.is_available() or (cfg.model.device or "").startswith("cpu")
+        on_cpu = device.startswith("cpu")
         lock = FairLock() if on_cpu else None
         shared: dict[str, Any] = {  # the same for the policy and a critic
             "dtype": dtype,

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from areal_agents.engine import WeightUpdate
+from areal_agents.hardware import default_device
 from areal_agents.trajectory import common_prefix_len
 
 from .loss import entropy_from_logits
@@ -271,7 +272,7 @@ class Policy:
         :func:`make_tree_packed`); ignored with flash-attention kernels."""
         from transformers import AutoModelForCausalLM
 
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(default_device(device))
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.is_lora = bool(lora)
         if lora:

@@ -385,7 +385,7 @@ class CalculatorEnv(_AnswerEnv):
                         return reward
                     reward += self.grounded_call_reward
                     solution = self.task.expression
-                    if solution and grounded(expression, self.task.question, solution):
+                    if solution and _operators(expression) == _operators(solution):
                         reward += self.grounded_ops_reward
                     return reward
         return reward

@@ -6,6 +6,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 from areal_agents import hardware
 
@@ -64,3 +65,8 @@ def test_cpu_flags_reads_this_machine():
     with open("/proc/cpuinfo") as f:
         text = f.read()
     assert bool(found) == ("flags" in text or "Features" in text)
+
+
+def test_default_device_keeps_a_given_one():
+    assert hardware.default_device("cpu") == "cpu"
+    assert hardware.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
