@@ -16,7 +16,8 @@ row is refilled by the last row, so no step copies the whole batch's cache (tran
 Weight updates interrupt generation in flight: the KV cache of every active request is
 dropped, the new weights are loaded, and each request is re-prefilled from its prompt plus
 the tokens it already generated, so later tokens are sampled (and tagged) with the new
-policy version.
+policy version. A LoRA adapter of a float32 model is merged into the weights it adapts
+(:class:`areal_agents.weights.MergedLora`), so decoding runs the plain model's forward.
 
 Logprobs follow :mod:`areal_agents.engine`: ``log_softmax(logits / T)`` in float32 over the
 full vocabulary, before top-k / top-p truncation (T = 1 for greedy decoding).
@@ -46,6 +47,7 @@ from .engine import GenerateResult, SamplingParams, WeightUpdate
 from .errors import BackendError, ContextOverflow, UserError
 from .hardware import default_device, resolve_dtype
 from .trajectory import common_prefix_len
+from .weights import MergedLora, apply_weight_update
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,7 @@ class EmbeddedEngine:
         version: int = 0,
         compute_lock: FairLock | None = None,
         prefix_cache_entries: int = 32,
+        merged_lora: MergedLora | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -157,6 +160,8 @@ class EmbeddedEngine:
             "prefill_batches": 0,
         }
         self._prefixes = _PrefixCache(prefix_cache_entries)
+        # LoRA updates of a float32 model are merged into its weights (weights.MergedLora)
+        self._lora = merged_lora or MergedLora()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
@@ -185,15 +190,15 @@ class EmbeddedEngine:
         torch_dtype = getattr(torch, resolve_dtype(dtype, device))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
         model = model.to(device)  # type: ignore[arg-type]
+        merged = MergedLora()
         if adapter is not None:
-            from .weights import apply_weight_update
-
             if not (Path(adapter) / "adapter_config.json").exists():
                 raise UserError(
                     f"--adapter {adapter}: no adapter_config.json there; pass a directory "
                     "saved by peft (a training checkpoint's model/ directory)"
                 )
-            model = apply_weight_update(model, WeightUpdate(kind="lora", path=str(adapter)))
+            update = WeightUpdate(kind="lora", path=str(adapter))
+            model = apply_weight_update(model, update, merged)
             model.eval()
         eos: list[int] = []
         try:
@@ -206,7 +211,7 @@ class EmbeddedEngine:
             ids = model.config.eos_token_id
             eos = [ids] if isinstance(ids, int) else list(ids)
         kwargs.setdefault("model_name", Path(str(path)).name)
-        return cls(model, eos_token_ids=eos, **kwargs)
+        return cls(model, eos_token_ids=eos, merged_lora=merged, **kwargs)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -355,15 +360,13 @@ class EmbeddedEngine:
         return len(aborted)
 
     def _apply_update(self, update: WeightUpdate) -> int:
-        from .weights import apply_weight_update
-
         # Interrupt: drop every active request's KV cache; re-prefill after the update.
         for req in self._active:
             req.interruptions += 1
         self._waiting = self._active + self._waiting
         self._active, self._cache, self._mask = [], None, None
         self._prefixes.clear()  # cached keys and values belong to the old weights
-        self.model = apply_weight_update(self.model, update)
+        self.model = apply_weight_update(self.model, update, self._lora)
         self.model.eval()
         self._version = update.version if update.version is not None else self._version + 1
         return self._version

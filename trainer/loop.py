@@ -117,6 +117,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, self.out / "config.yaml")
         self.state = RunState()
+        self._engine_last: tuple[float, float, float] | None = None  # time, tokens, steps
 
     # -- setup -------------------------------------------------------------------
     def _build(self) -> None:
@@ -343,6 +344,7 @@ class Trainer:
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
 
+        await self._engine_counters()  # the start of the first step's engine rates
         prod = asyncio.create_task(producer())
         bar = tqdm(
             total=cfg.train.steps,
@@ -508,17 +510,34 @@ class Trainer:
     async def _engine_counters(self) -> dict[str, float]:
         """The engine's running totals (prefills and their batches, prefill and prefix-hit
         tokens, decode steps, output tokens) as ``engine/*`` metrics, where its health report
-        carries them."""
+        carries them, and two rates since the previous call:
+
+            engine/output_tokens_per_s = d(output_tokens) / d(wall-clock)
+            engine/decode_rows_mean    = d(output_tokens) / d(decode_steps)
+
+        the first counts every generated token (groups that dynamic sampling drops too, which
+        ``gen_tokens_per_s`` leaves out), the second is how full the decode batches were."""
         try:
             health = await self.engine.health()
         except Exception as exc:  # a metric must not end the run
             log.warning("engine health unavailable: %r", exc)
             return {}
-        return {
+        now = time.perf_counter()
+        out = {
             f"engine/{k}": float(health[k])
             for k in ENGINE_COUNTERS
             if isinstance(health.get(k), int | float)
         }
+        tokens, steps = out.get("engine/output_tokens"), out.get("engine/decode_steps")
+        if self._engine_last is not None and tokens is not None and steps is not None:
+            then, tokens0, steps0 = self._engine_last
+            if now > then:
+                out["engine/output_tokens_per_s"] = (tokens - tokens0) / (now - then)
+            if steps > steps0:
+                out["engine/decode_rows_mean"] = (tokens - tokens0) / (steps - steps0)
+        if tokens is not None and steps is not None:
+            self._engine_last = (now, tokens, steps)
+        return out
 
 
 def out_of_time_budget(elapsed_s: float, recent_steps_s: list[float], limit_s: float) -> bool:

@@ -446,6 +446,9 @@ def test_ppo_runs_in_the_loop_and_resumes_its_critic(tiny_model_dir, tmp_path):
     assert all("value_loss" in r and "explained_variance" in r for r in rows)
     # the embedded engine's running totals ride along
     assert all(r["engine/output_tokens"] > 0 and r["engine/prefills"] >= 1 for r in rows)
+    # and the rates of each step: tokens over wall time, tokens per decode step
+    assert all(r["engine/output_tokens_per_s"] > 0 for r in rows)
+    assert all(1 <= r["engine/decode_rows_mean"] <= 4 for r in rows)  # <= 4 episodes in flight
     assert second.critic is not None
     assert any(not torch.equal(second.critic.params[k], saved[k]) for k in saved)
 
