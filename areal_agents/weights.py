@@ -139,7 +139,7 @@ class MergedLora:
     """A LoRA adapter served merged into the weights it adapts, for float32 models.
 
     peft's forward runs each adapted linear layer as ``W x + s B (A x)``: two more small
-    matrix products and a few more Python calls per layer, which cost ~10% of a decode step of
+    matrix products and a few more Python calls per layer, which cost ~15% of a decode step of
     the default model on CPU. Merged, the layer computes ``(W0 + s B A) x`` with the plain
     model's forward. Every update starts again from the base weights ``W0`` (kept aside on the
     first merge) and merges the new adapter with peft (``merge_and_unload``; so rsLoRA, rank

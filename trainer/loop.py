@@ -529,14 +529,15 @@ class Trainer:
             if isinstance(health.get(k), int | float)
         }
         tokens, steps = out.get("engine/output_tokens"), out.get("engine/decode_steps")
-        if self._engine_last is not None and tokens is not None and steps is not None:
+        if tokens is None or steps is None:
+            return out
+        if self._engine_last is not None:
             then, tokens0, steps0 = self._engine_last
-            if now > then:
+            if tokens >= tokens0 and now > then:  # (an engine restarted: no rate this step)
                 out["engine/output_tokens_per_s"] = (tokens - tokens0) / (now - then)
-            if steps > steps0:
+            if tokens >= tokens0 and steps > steps0:
                 out["engine/decode_rows_mean"] = (tokens - tokens0) / (steps - steps0)
-        if tokens is not None and steps is not None:
-            self._engine_last = (now, tokens, steps)
+        self._engine_last = (now, tokens, steps)
         return out
 
 
