@@ -200,23 +200,25 @@ class MergedLora:
         except BaseException:
             wrapped.unload()
             raise
-        self._base = [
+        kept = {id(param) for param, _ in self._base}  # W0 already set aside stays as it is
+        self._base += [
             (layer.weight, layer.weight.detach().clone())
             for layer in (m.get_base_layer() for m in wrapped.modules() if _is_lora_layer(m))
+            if id(layer.weight) not in kept
         ]
         return wrapped.merge_and_unload()
 
     def rebase(self, model: Any) -> Any:
         """After a full update: take the new weights as ``W0`` and merge the adapter again."""
         assert self.state is not None
-        self._base = []
+        self._base = []  # the full update wrote the new W0
         return self.apply(model, WeightUpdate(kind="lora", state_dict=self.state))
 
     def _restore(self) -> None:
+        """Every weight an adapter was merged into back to its base value ``W0``."""
         with torch.no_grad():
             for param, original in self._base:
                 param.copy_(original)
-        self._base = []
 
 
 def _is_lora_layer(module: Any) -> bool:
