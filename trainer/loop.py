@@ -531,11 +531,11 @@ class Trainer:
         tokens, steps = out.get("engine/output_tokens"), out.get("engine/decode_steps")
         if tokens is None or steps is None:
             return out
-        if self._engine_last is not None:
-            then, tokens0, steps0 = self._engine_last
-            if tokens >= tokens0 and now > then:  # (an engine restarted: no rate this step)
+        then, tokens0, steps0 = self._engine_last or (now, tokens, steps)
+        if tokens >= tokens0:  # counters that went back: an engine restarted, no rate this step
+            if now > then:
                 out["engine/output_tokens_per_s"] = (tokens - tokens0) / (now - then)
-            if tokens >= tokens0 and steps > steps0:
+            if steps > steps0:
                 out["engine/decode_rows_mean"] = (tokens - tokens0) / (steps - steps0)
         self._engine_last = (now, tokens, steps)
         return out
