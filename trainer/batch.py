@@ -35,6 +35,10 @@ class Batch:
     returns: list[torch.Tensor] | None = None
     ref: list[torch.Tensor] | None = None
     """Reference-policy logprobs, for a KL penalty (``loss.kl_coef > 0``)."""
+    completions: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Per sample, the index of each token's completion within it (-1: not sampled)."""
+    episode_ids: list[str] = dataclasses.field(default_factory=list)
+    """Per sample, the episode it comes from."""
 
 
 def build_batch(
@@ -82,6 +86,8 @@ def build_batch(
     w = spec.loss.weights(tc, sample_eps, max_tokens=max_tokens)
     out.weights = [w[i, : len(t)] for i, t in enumerate(tcs)]
     out.seqs = seqs
+    out.completions = [torch.tensor(t) for t in tcs]
+    out.episode_ids = sample_eps
     stats = {
         "adv_mean": float(adv.mean()),
         "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0,
@@ -91,6 +97,54 @@ def build_batch(
         **overlong,
     }
     return out, stats
+
+
+def split_batch(batch: Batch, n: int, spec: AlgorithmSpec, max_tokens: int) -> list[Batch]:
+    """The batch as ``n`` mini-batches of whole episodes, in order, for ``n`` optimizer
+    steps (``train.minibatches``); fewer when it has fewer episodes.
+
+    Advantages (and proximal, reference and critic values) are the whole batch's: a group's
+    baseline does not change with the split. Only the loss weights are computed again over
+    each mini-batch's own samples (``completion_weights``), so each mini-batch's loss is the
+    mean of its own units, as a batch of that size would be. Episode k of E goes to
+    mini-batch ``floor(k * n / E)``: with groups in order and n dividing their number, whole
+    groups stay together."""
+    if n < 1:
+        raise ValueError(f"n: the number of mini-batches must be >= 1, got {n}")
+    if not batch.episode_ids:
+        raise ValueError("split_batch needs a batch from build_batch (it has no episode ids)")
+    order = list(dict.fromkeys(batch.episode_ids))
+    n = min(n, len(order))
+    if n == 1:
+        return [batch]
+    part = {e: k * n // len(order) for k, e in enumerate(order)}
+    out = []
+    for j in range(n):
+        idx = [i for i, e in enumerate(batch.episode_ids) if part[e] == j]
+
+        def pick(xs: list[Any] | None, idx: list[int] = idx) -> list[Any] | None:
+            return None if xs is None else [xs[i] for i in idx]
+
+        mb = Batch(
+            seqs=[batch.seqs[i] for i in idx],
+            mask=[batch.mask[i] for i in idx],
+            behav=[batch.behav[i] for i in idx],
+            versions=[batch.versions[i] for i in idx],
+            adv=[batch.adv[i] for i in idx],
+            weights=[],
+            segments=[batch.segments[i] for i in idx],
+            prox=pick(batch.prox),
+            old_values=pick(batch.old_values),
+            returns=pick(batch.returns),
+            ref=pick(batch.ref),
+            completions=[batch.completions[i] for i in idx],
+            episode_ids=[batch.episode_ids[i] for i in idx],
+        )
+        tc = _pad(mb.completions, -1).long()
+        w = spec.loss.weights(tc, mb.episode_ids, max_tokens=max_tokens)
+        mb.weights = [w[i, : len(t)] for i, t in enumerate(mb.completions)]
+        out.append(mb)
+    return out
 
 
 def apply_overlong(

@@ -279,6 +279,13 @@ class RunConfig(_Checked):
     share_prefixes: bool = True
     """Compute the prefixes that sequences share (a group's prompt) once per micro-batch,
     as a prefix tree with an attention mask; exact. Off: every sequence packed whole."""
+    minibatches: int = 1
+    """Optimizer steps per training step: the batch is split into this many mini-batches
+    of whole episodes (whole groups when it divides their number), each one update with
+    its loss averaged over its own samples, as PPO's mini-batches (``split_batch``). The
+    weights reach the engine once per step, so policy versions still count steps. With
+    ``loss.proximal=recompute`` every mini-batch is clipped against the policy before the
+    step; with ``loglinear`` the later ones interpolate towards the already updated policy."""
     steps: int = 200
     """Training steps (policy versions) to run."""
     seed: int = 0
@@ -298,6 +305,7 @@ class RunConfig(_Checked):
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
         return (
             ("micro_batch_tokens", self.micro_batch_tokens >= 1, ">= 1"),
+            ("minibatches", self.minibatches >= 1, ">= 1 (1 = one update per step)"),
             ("steps", self.steps >= 1, ">= 1"),
             ("save_every", self.save_every >= 0, ">= 0 (0 = only at the end)"),
             (

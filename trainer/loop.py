@@ -58,10 +58,12 @@ from .advantage import filter_uniform_groups
 from .algorithms import AlgorithmSpec, check_async_correction, get_algorithm
 from .batch import (
     ADDITIVE_STATS,
+    Batch,
     add_gae,
     build_batch,
     make_loss_fn,
     make_value_loss_fn,
+    split_batch,
 )
 from .config import GROUP_ALGORITHMS, TrainConfig, dump_yaml
 from .critic import Critic
@@ -452,16 +454,7 @@ class Trainer:
                 self.critic.values, batch.seqs, cfg.train.micro_batch_tokens
             )
             bstats.update(add_gae(batch, values, self.spec))
-        loss_fn = make_loss_fn(batch, self.spec, cfg, version)
-        stats = await asyncio.to_thread(
-            self.policy.train_step,
-            batch.seqs,
-            loss_fn,
-            temp,
-            cfg.train.micro_batch_tokens,
-            batch.mask,
-            self.spec.loss.entropy_coef > 0,
-        )
+        stats = await asyncio.to_thread(policy_updates, self.policy, batch, self.spec, cfg, version)
         policy_keys = set(stats) - {"grad_norm", "micro_batches", "entropy_sum", "tokens"}
         if self.critic is not None:
             value_fn = make_value_loss_fn(batch, self.spec)
@@ -539,6 +532,31 @@ class Trainer:
                 out["engine/decode_rows_mean"] = (tokens - tokens0) / (steps - steps0)
         self._engine_last = (now, tokens, steps)
         return out
+
+
+def policy_updates(
+    policy: Policy, batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int
+) -> dict[str, float]:
+    """One optimizer step per mini-batch of ``batch`` (``train.minibatches``, see
+    ``split_batch``). Their stats add up (token-weighted sums, micro-batches), except the
+    losses and the gradient norm: the mean over the mini-batches."""
+    parts = split_batch(batch, cfg.train.minibatches, spec, cfg.sampling.max_new_tokens)
+    totals: dict[str, float] = {}
+    for mb in parts:
+        out = policy.train_step(
+            mb.seqs,
+            make_loss_fn(mb, spec, cfg, version),
+            cfg.sampling.temperature,
+            cfg.train.micro_batch_tokens,
+            mb.mask,
+            spec.loss.entropy_coef > 0,
+        )
+        for k, v in out.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    for k in (*ADDITIVE_STATS, "grad_norm"):
+        if k in totals:
+            totals[k] /= len(parts)
+    return totals
 
 
 def out_of_time_budget(elapsed_s: float, recent_steps_s: list[float], limit_s: float) -> bool:

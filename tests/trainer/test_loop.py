@@ -18,10 +18,10 @@ import torch
 
 from areal_agents.trajectory import Completion, Episode
 from trainer.algorithms import ALGORITHMS
-from trainer.batch import add_gae, build_batch, make_loss_fn, make_value_loss_fn
+from trainer.batch import add_gae, build_batch, make_loss_fn, make_value_loss_fn, split_batch
 from trainer.config import load_config
 from trainer.critic import Critic
-from trainer.loop import _algorithm, out_of_time_budget
+from trainer.loop import _algorithm, out_of_time_budget, policy_updates
 from trainer.policy import Policy, pack
 from trainer.staleness import StalenessGate
 
@@ -191,6 +191,65 @@ def test_every_algorithm_trains_two_steps(tiny_model_dir, name):
     if critic is not None:
         moved = {k for k, v in critic.params.items() if not torch.equal(v, critic_before[k])}
         assert "head.weight" in moved and any(k.startswith("backbone.") for k in moved)
+
+
+@pytest.mark.parametrize("name", ["dapo", "grpo", "dr_grpo"])
+def test_a_minibatch_of_whole_groups_is_that_groups_own_batch(policy, name):
+    """Split in two, a batch of four groups gives the batches of groups 0-1 and 2-3: the
+    same samples and advantages (group baselines), loss weights over each half alone."""
+    spec = _algorithm(load_config(None, ["env.id=x", f"algorithm={name}"]))
+    episodes = _episodes(policy, n_groups=4)
+    for ep in episodes[6:]:
+        ep.final_reward = float(ep.session_id.endswith("-1"))  # groups 2, 3 not uniform
+    full, _ = build_batch(episodes, spec, 1.0, 16)
+    halves = split_batch(full, 2, spec, 16)
+    assert len(halves) == 2
+    for half, eps in zip(halves, (episodes[:6], episodes[6:]), strict=True):
+        alone, _ = build_batch(eps, spec, 1.0, 16)
+        assert half.seqs == alone.seqs and half.episode_ids == alone.episode_ids
+        for field in ("mask", "behav", "versions", "adv", "weights", "segments"):
+            for a, b in zip(getattr(half, field), getattr(alone, field), strict=True):
+                assert torch.allclose(a.float(), b.float(), atol=1e-6), field
+    if name == "dapo":  # token mean: each half's weights are 1 / (its sampled tokens)
+        for half in halves:
+            tokens = float(sum(m.sum() for m in half.mask))
+            assert all(torch.allclose(w[m > 0], torch.tensor(1 / tokens)) for w, m in
+                       zip(half.weights, half.mask, strict=True))  # fmt: skip
+    assert split_batch(full, 1, spec, 16) == [full]
+    assert len(split_batch(full, 50, spec, 16)) == 12  # at most one per episode
+    with pytest.raises(ValueError, match="must be >= 1"):
+        split_batch(full, 0, spec, 16)
+
+
+def test_minibatches_take_one_optimizer_step_each(tiny_model_dir):
+    policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    cfg = load_config(
+        None,
+        [
+            "env.id=areal/Calculator-v0",
+            "algorithm=dapo",
+            "train.minibatches=2",
+            "train.micro_batch_tokens=64",
+            "sampling.max_new_tokens=16",
+            "loss.proximal=loglinear",
+        ],
+    )
+    spec = _algorithm(cfg)
+    batch, _ = build_batch(_episodes(policy, n_groups=2), spec, 1.0, 16)
+    halves = split_batch(batch, 2, spec, 16)
+    manual = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    by_hand = [manual.train_step(h.seqs, make_loss_fn(h, spec, cfg, 0), 1.0, 64) for h in halves]
+    stats = policy_updates(policy, batch, spec, cfg, 0)
+    steps = {int(s["step"]) for s in policy.optimizer.state_dict()["state"].values()}
+    assert steps == {2}, "two mini-batches: two optimizer steps"
+    for key in ("loss", "grad_norm"):  # the mean over the mini-batches
+        assert stats[key] == pytest.approx((by_hand[0][key] + by_hand[1][key]) / 2, rel=1e-4)
+    assert stats["micro_batches"] == by_hand[0]["micro_batches"] + by_hand[1]["micro_batches"]
+    assert stats["tokens"] == pytest.approx(float(sum(m.sum() for m in batch.mask)))
+    for p, q in zip(policy.params, manual.params, strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
+    with pytest.raises(ValueError, match="minibatches"):
+        load_config(None, ["env.id=x", "train.minibatches=0"])
 
 
 def test_ppo_takes_the_critic_settings_and_its_advantages_are_returns_minus_values(tiny_model_dir):
