@@ -41,6 +41,9 @@ GROUP_ALGORITHMS = frozenset(ALGORITHMS) - {"ppo", "reinforce_pp"}
 CRITIC_ALGORITHMS = frozenset({"ppo"})
 """Algorithms that train a critic (the ``critic`` section applies to them only)."""
 
+DYNAMIC_SAMPLING_ALGORITHMS = frozenset({"dapo"})
+"""Algorithms that drop groups whose rewards are all equal (``rollout.probe_size`` applies)."""
+
 
 class _Checked:
     """Mixin: a section checks its values when built (all problems at once)."""
@@ -169,10 +172,20 @@ class RolloutConfig(_Checked):
     """Wall-clock limit of one episode; None = no limit."""
     gamma: float = 1.0
     """Discount of later rewards along the completion tree (PPO: once per turn), in [0, 1]."""
+    probe_size: int = 0
+    """Dynamic sampling with a probe (``algorithm: dapo``): sample this many episodes of a
+    group first and drop the group there when their rewards are all equal, before the other
+    ``group_size - probe_size`` are generated (``dropped/uniform_probe``); a group that
+    passes is completed with the same episodes it would have had without the probe. Cheaper
+    when many tasks are all-fail (or all-pass) for the current policy; a task with success
+    rate p is also dropped with probability p^k + (1 - p)^k when its full group would not
+    have been uniform. 0 = off: the whole group, then the check."""
 
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
         timeout, counts = self.episode_timeout_s, ("group_size", "batch_size", "concurrency")
+        k = self.probe_size
         return (
+            ("probe_size", k == 0 or 2 <= k < self.group_size, "0 (off) or in [2, group_size)"),
             *((n, getattr(self, n) >= 1, ">= 1") for n in (*counts, "max_turns")),
             ("max_head_offpolicyness", self.max_head_offpolicyness >= 0, ">= 0 (0 = sync)"),
             ("episode_timeout_s", timeout is None or timeout > 0, "> 0 or null (no limit)"),
@@ -400,6 +413,12 @@ class TrainConfig(_Checked):
             out.append(
                 f"rollout.group_size: {self.algorithm} normalizes advantages within a group, "
                 f"so it needs group_size >= 2, got {group}"
+            )
+        if self.rollout.probe_size and self.algorithm not in DYNAMIC_SAMPLING_ALGORITHMS:
+            out.append(
+                f"rollout.probe_size: only algorithms that drop uniform groups use a probe "
+                f"({'|'.join(sorted(DYNAMIC_SAMPLING_ALGORITHMS))}), got algorithm="
+                f"{self.algorithm}; set rollout.probe_size=0 or choose one of them"
             )
         if self.algorithm not in CRITIC_ALGORITHMS and self.critic != CriticConfig():
             out.append(

@@ -308,24 +308,42 @@ class Trainer:
         )
         dropped: Counter[str] = Counter(st.dropped)
 
+        def usable(results: list[EpisodeResult]) -> list[EpisodeResult]:
+            return [r for r in results if r.ok and r.episode.completions]
+
+        def uniform(ok: list[EpisodeResult]) -> bool:
+            rewards = torch.tensor([r.reward for r in ok])
+            return not bool(filter_uniform_groups(rewards, ["g"] * len(ok)).any())
+
         async def one_group(g: int) -> None:
-            results = await self.runner.run_group(
-                self.make_env,
-                G,
-                seed=self.seed_base + g,
-                group_id=f"g{g}",
-                sampling_seed=(self.seed_base + g) * G,
-            )
+            # Episode i of group g samples with seed (seed_base + g) * G + i, probe or not.
+            def run(n: int, first: int = 0) -> Any:
+                return self.runner.run_group(
+                    self.make_env,
+                    n,
+                    seed=self.seed_base + g,
+                    group_id=f"g{g}",
+                    sampling_seed=(self.seed_base + g) * G + first,
+                )
+
+            k = cfg.rollout.probe_size
+            results = await run(k or G)
+            probed_out = False
+            if k:
+                probe = usable(results)
+                probed_out = len(probe) >= 2 and uniform(probe)
+                if probed_out:
+                    dropped["uniform_probe"] += 1
+                else:
+                    results += await run(G - k, k)
             for r in results:
                 if not r.ok:
                     dropped[r.end_reason] += 1
-            ok = [r for r in results if r.ok and r.episode.completions]
-            keep = len(ok) >= (2 if cfg.algorithm in GROUP_ALGORITHMS else 1)
-            if keep and self.spec.dynamic_sampling:
-                rewards = torch.tensor([r.reward for r in ok])
-                keep = bool(filter_uniform_groups(rewards, [f"g{g}"] * len(ok)).any())
-                if not keep:
-                    dropped["uniform_group"] += 1
+            ok = usable(results)
+            keep = not probed_out and len(ok) >= (2 if cfg.algorithm in GROUP_ALGORITHMS else 1)
+            if keep and self.spec.dynamic_sampling and uniform(ok):
+                keep = False
+                dropped["uniform_group"] += 1
             await gate.finish(accepted=keep)
             if keep:
                 await queue.put((g, ok))

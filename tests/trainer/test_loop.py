@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from areal_agents.errors import ConfigError
 from areal_agents.trajectory import Completion, Episode
 from trainer.algorithms import ALGORITHMS
 from trainer.batch import add_gae, build_batch, make_loss_fn, make_value_loss_fn, split_batch
@@ -250,6 +251,75 @@ def test_minibatches_take_one_optimizer_step_each(tiny_model_dir):
         assert torch.allclose(p, q, atol=1e-6)
     with pytest.raises(ValueError, match="minibatches"):
         load_config(None, ["env.id=x", "train.minibatches=0"])
+
+
+def test_probe_size_is_checked_and_only_for_dynamic_sampling():
+    from trainer.config import DYNAMIC_SAMPLING_ALGORITHMS
+
+    assert {n for n, spec in ALGORITHMS.items() if spec.dynamic_sampling} == set(
+        DYNAMIC_SAMPLING_ALGORITHMS
+    )
+    ok = ["env.id=x", "algorithm=dapo", "rollout.group_size=8"]
+    assert load_config(None, [*ok, "rollout.probe_size=4"]).rollout.probe_size == 4
+    for bad in ("1", "8"):
+        with pytest.raises(ConfigError, match=r"probe_size.*in \[2, group_size\)"):
+            load_config(None, [*ok, f"rollout.probe_size={bad}"])
+    with pytest.raises(ConfigError, match="only algorithms that drop uniform groups"):
+        load_config(None, ["env.id=x", "algorithm=grpo", "rollout.probe_size=2"])
+
+
+@pytest.mark.slow
+def test_a_uniform_probe_drops_its_group_before_the_rest_is_generated(tiny_model_dir, tmp_path):
+    """Even tasks pay 0.5 whatever the reply: their groups stop after the probe's episodes.
+    Odd ones pay the parity of the reply's length: those that pass are completed."""
+    from collections import Counter
+
+    import envs
+    from envs.base import AgentEnv
+    from trainer.loop import Trainer
+
+    resets: Counter[int] = Counter()
+
+    class HalfConstant(AgentEnv):
+        def _start(self, options):
+            self.task = int(self.np_random.integers(1_000_000))
+            resets[self.task] += 1
+            return [{"role": "user", "content": "Say something."}], {"task_id": str(self.task)}
+
+        def tools(self):
+            return []
+
+        def _respond(self, message):
+            parity = float(len(message.get("content") or "") % 2)
+            reward = 0.5 if self.task % 2 == 0 else parity
+            return [], reward, True, {"success": reward > 0}
+
+    envs.register("test/HalfConstant-v0", HalfConstant, description="probe test", override=True)
+    cfg = load_config(
+        None,
+        [
+            "env.id=test/HalfConstant-v0",
+            "algorithm=dapo",
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            "rollout.group_size=6",
+            "rollout.probe_size=2",
+            "rollout.batch_size=2",
+            "rollout.max_head_offpolicyness=1",
+            "sampling.max_new_tokens=8",
+            "train.steps=2",
+            "metrics.tensorboard=false",
+            f"train.output_dir={tmp_path}",
+        ],
+    )
+    summary = asyncio.run(Trainer(cfg, quiet=True).run())
+    even = [n for t, n in resets.items() if t % 2 == 0]
+    assert even and max(even) == 2, "an all-equal probe ends its group after 2 episodes"
+    assert summary["dropped/uniform_probe"] >= len(even)
+    assert "dropped/uniform_group" not in summary  # a mixed probe cannot give a uniform group
+    rows = [json.loads(x) for x in (tmp_path / "groups.jsonl").read_text().splitlines()]
+    assert [r["episodes"] for r in rows] == [6, 6, 6, 6]
+    assert sum(1 for t, n in resets.items() if t % 2 and n == 6) >= len(rows)
 
 
 def test_ppo_takes_the_critic_settings_and_its_advantages_are_returns_minus_values(tiny_model_dir):
