@@ -40,6 +40,7 @@ import shutil
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,7 +318,7 @@ class Trainer:
 
         async def one_group(g: int) -> None:
             # Episode i of group g samples with seed (seed_base + g) * G + i, probe or not.
-            def run(n: int, first: int = 0) -> Any:
+            def run(n: int, first: int = 0) -> Awaitable[list[EpisodeResult]]:
                 return self.runner.run_group(
                     self.make_env,
                     n,
