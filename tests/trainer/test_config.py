@@ -46,6 +46,7 @@ rollout:
   max_turns: 6
   episode_timeout_s: null
   gamma: 0.9
+  probe_size: 2
 optim:
   lr: 2e-6
   weight_decay: 0.01
@@ -68,6 +69,7 @@ critic: {path: null, lr: 1.0e-5, lam: 0.95, value_clip: 0.2, whiten: true}
 train:
   micro_batch_tokens: 8192
   share_prefixes: false
+  minibatches: 2
   steps: 40
   seed: 3
   output_dir: runs/tau2
@@ -129,7 +131,8 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
         "token",
     )
     assert cfg.train.resume is True and cfg.train.output_dir == "runs/tau2"
-    assert cfg.train.share_prefixes is False
+    assert cfg.train.share_prefixes is False and cfg.train.minibatches == 2
+    assert cfg.rollout.probe_size == 2
     assert cfg.sft.kind == "episodes" and cfg.sft.lr == 1e-5
     assert cfg.metrics.tensorboard is False
 
