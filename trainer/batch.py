@@ -79,15 +79,10 @@ def build_batch(
             out.versions.append(torch.tensor(s.versions[1:]))
             out.adv.append(torch.tensor(tok_adv, dtype=torch.float32))
             out.segments.append(torch.tensor(s.token_completion[1:]))
-    width = max(len(t) for t in tcs)
-    tc = torch.full((len(tcs), width), -1, dtype=torch.long)
-    for i, t in enumerate(tcs):
-        tc[i, : len(t)] = torch.tensor(t)
-    w = spec.loss.weights(tc, sample_eps, max_tokens=max_tokens)
-    out.weights = [w[i, : len(t)] for i, t in enumerate(tcs)]
     out.seqs = seqs
     out.completions = [torch.tensor(t) for t in tcs]
     out.episode_ids = sample_eps
+    out.weights = _loss_weights(out, spec, max_tokens)
     stats = {
         "adv_mean": float(adv.mean()),
         "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0,
@@ -140,11 +135,16 @@ def split_batch(batch: Batch, n: int, spec: AlgorithmSpec, max_tokens: int) -> l
             completions=[batch.completions[i] for i in idx],
             episode_ids=[batch.episode_ids[i] for i in idx],
         )
-        tc = _pad(mb.completions, -1).long()
-        w = spec.loss.weights(tc, mb.episode_ids, max_tokens=max_tokens)
-        mb.weights = [w[i, : len(t)] for i, t in enumerate(mb.completions)]
+        mb.weights = _loss_weights(mb, spec, max_tokens)
         out.append(mb)
     return out
+
+
+def _loss_weights(batch: Batch, spec: AlgorithmSpec, max_tokens: int) -> list[torch.Tensor]:
+    """Per-sample loss weights normalized over ``batch``'s own samples."""
+    tc = _pad(batch.completions, -1).long()
+    w = spec.loss.weights(tc, batch.episode_ids, max_tokens=max_tokens)
+    return [w[i, : len(t)] for i, t in enumerate(batch.completions)]
 
 
 def apply_overlong(
