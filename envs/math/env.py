@@ -323,9 +323,11 @@ class CalculatorEnv(_AnswerEnv):
     format_hint = "Reply with: The answer is <number>."
 
     @staticmethod
-    def demos(n: int, seed: int = 0, kind: str = "mixed") -> list[list[Message]]:
+    def demos(
+        n: int, seed: int = 0, kind: str = "mixed", balanced: bool = True
+    ) -> list[list[Message]]:
         """Correct conversations for a supervised warm start (see :func:`demos`)."""
-        return demos(n, seed=seed, kind=kind)  # type: ignore[arg-type]
+        return demos(n, seed=seed, kind=kind, balanced=balanced)  # type: ignore[arg-type]
 
     def __init__(
         self,
@@ -452,7 +454,10 @@ def solved_turns(task: MathTask, call_prefix: str = "call") -> list[Message]:
 
 
 def demos(
-    n: int, seed: int = 0, kind: Literal["arithmetic", "word", "mixed"] = "mixed"
+    n: int,
+    seed: int = 0,
+    kind: Literal["arithmetic", "word", "mixed"] = "mixed",
+    balanced: bool = True,
 ) -> list[list[Message]]:
     """``n`` correct Calculator-v0 conversations for a supervised warm start.
 
@@ -460,10 +465,42 @@ def demos(
     default system prompt of :class:`CalculatorEnv` (render the calculator's schema
     ``tools.calculator.schema`` with them). Tasks are distinct, drawn from the train split
     only (never a test question), in an order fixed by ``seed``.
+
+    With ``balanced`` [True] every solution shape (the task's kind and its expression with
+    each number replaced by ``n``: ``(n + n) * n``) gets the same number of demonstrations,
+    give or take one (with ``kind="mixed"`` the word shapes count as shapes of their own),
+    so a small warm start does not leave a shape to the luck of the draw
+    (100 uniformly drawn arithmetic demos hold 13 to 25 of the two parenthesized shapes,
+    depending on the seed); ``balanced=False`` draws tasks uniformly from the pool.
     """
     if n < 0:
         raise ValueError(f"n must be non-negative, got {n}")
     pool = calculator_pool(kind, "train", max(n, DEFAULT_NUM_TASKS["train"]), 0.5)
-    indices = random.Random(seed).sample(range(len(pool)), n)
+    rng = random.Random(seed)
+    indices = _balanced_sample(pool, n, rng) if balanced else rng.sample(range(len(pool)), n)
     system = {"role": "system", "content": CALCULATOR_SYSTEM_PROMPT}
     return [[dict(system), *solved_turns(pool[i])] for i in indices]
+
+
+def solution_shape(task: MathTask) -> str:
+    """The task's kind and the shape of its solution: ``"arithmetic:(n + n) * n"``."""
+    return f"{task.kind}:{_NUMBER.sub('n', task.expression or '')}"
+
+
+def _balanced_sample(pool: Sequence[MathTask], n: int, rng: random.Random) -> list[int]:
+    """``n`` distinct pool indices, round-robin over the solution shapes (in an order shuffled
+    by ``rng``, each shape's tasks shuffled too), in shuffled order."""
+    by_shape: dict[str, list[int]] = {}
+    for i, task in enumerate(pool):
+        by_shape.setdefault(solution_shape(task), []).append(i)
+    queues = [by_shape[key] for key in sorted(by_shape)]
+    rng.shuffle(queues)
+    for queue in queues:
+        rng.shuffle(queue)
+    chosen: list[int] = []
+    depth = 0
+    while len(chosen) < n:
+        chosen.extend(q[depth] for q in queues[: n - len(chosen)] if depth < len(q))
+        depth += 1
+    rng.shuffle(chosen)
+    return chosen

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 
 import pytest
 
@@ -239,6 +241,35 @@ def test_demos_are_correct_deterministic_train_only_conversations():
     assert all(
         c[1]["content"].split()[0] in {"What", "Calculate", "Compute", "Evaluate"}
         for c in arithmetic
+    )
+
+
+def _demo_shape(conversation: list[dict]) -> str:
+    expression = json.loads(conversation[2]["tool_calls"][0]["function"]["arguments"])
+    return re.sub(r"\d+", "n", expression["expression"])
+
+
+def test_balanced_demos_cover_every_solution_shape_evenly():
+    # 11 arithmetic shapes: 25 demos are 2 or 3 of each, every shape present.
+    for seed in (0, 1):
+        counts = Counter(_demo_shape(c) for c in demos(25, seed=seed, kind="arithmetic"))
+        assert len(counts) == 11 and set(counts.values()) == {2, 3}
+        assert counts["(n + n) * n"] >= 2 and counts["(n - n) * n"] >= 2
+    balanced = demos(130, seed=1, kind="arithmetic")
+    assert len({c[1]["content"] for c in balanced}) == 130
+    assert set(Counter(_demo_shape(c) for c in balanced).values()) == {11, 12}
+    assert balanced == demos(130, seed=1, kind="arithmetic")
+    # The uniform draw is still there, and it is not balanced for this seed.
+    uniform = demos(100, seed=1, kind="arithmetic", balanced=False)
+    counts = Counter(_demo_shape(c) for c in uniform)
+    assert counts["(n + n) * n"] + counts["(n - n) * n"] == 13 and counts["n + n"] == 17
+    # Mixed: word shapes are shapes of their own; both kinds appear.
+    mixed = demos(40, seed=0)
+    assert {
+        c[1]["content"].split()[0] in {"What", "Calculate", "Compute", "Evaluate"} for c in mixed
+    } == {True, False}
+    assert CalculatorEnv.demos(25, seed=0, kind="arithmetic") == demos(
+        25, seed=0, kind="arithmetic"
     )
 
 
