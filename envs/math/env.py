@@ -470,8 +470,8 @@ def demos(
     each number replaced by ``n``: ``(n + n) * n``) gets the same number of demonstrations,
     give or take one (with ``kind="mixed"`` the word shapes count as shapes of their own),
     so a small warm start does not leave a shape to the luck of the draw
-    (100 uniformly drawn arithmetic demos hold 13 to 25 of the two parenthesized shapes,
-    depending on the seed); ``balanced=False`` draws tasks uniformly from the pool.
+    (100 uniformly drawn arithmetic demos hold 16, 13 and 25 of the two parenthesized
+    shapes for seeds 0, 1 and 2); ``balanced=False`` draws tasks uniformly from the pool.
     """
     if n < 0:
         raise ValueError(f"n must be non-negative, got {n}")
