@@ -54,6 +54,13 @@ log = logging.getLogger(__name__)
 DecodeFn = Callable[[list[int]], str]
 
 
+_LOGIT_SLICE = 1024
+"""Vocabulary rows of the output projection per matmul on CPU (:func:`_slice_output_projection`)."""
+
+_CASCADE_MIN_TOKENS = 16
+"""Decode steps attend to a prefix shared by every row at least this long as one block
+(:func:`_cascade_attention`); shorter shared prefixes are read per row."""
+
 _SHARE_MIN_TOKENS = 32
 """A request waits for the next admission round when an earlier request of this round will
 compute at least this many more of its prefix than the cache holds."""
@@ -121,12 +128,14 @@ class EmbeddedEngine:
         max_context: int | None = None,
         version: int = 0,
         compute_lock: FairLock | None = None,
-        prefix_cache_entries: int = 32,
+        prefix_cache_entries: int = 64,
         merged_lora: MergedLora | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
+        _slice_output_projection(model)
+        _use_cascade_attention(model)
         self.model_name = model_name
         self.eos_token_ids = tuple(eos_token_ids)
         self._decode = decode
@@ -147,6 +156,7 @@ class EmbeddedEngine:
         self._active: list[_Request] = []
         self._cache: Any = None  # batched DynamicCache for self._active
         self._mask: torch.Tensor | None = None  # [B, T] 1 = real token, 0 = left pad
+        self._shared: _SharedPrefix | None = None  # the cached tokens every row starts with
         self._paused = False
         self._closed = False
         self._stats = {
@@ -158,6 +168,7 @@ class EmbeddedEngine:
             "prefix_hit_tokens": 0,
             "prefix_full_hits": 0,
             "prefill_batches": 0,
+            "cascade_steps": 0,
         }
         self._prefixes = _PrefixCache(prefix_cache_entries)
         # LoRA updates of a float32 model are merged into its weights (weights.MergedLora)
@@ -355,6 +366,7 @@ class EmbeddedEngine:
         self._drain_inbox()
         aborted = self._active + self._waiting
         self._active, self._waiting, self._cache, self._mask = [], [], None, None
+        self._shared = None
         for req in aborted:
             req.finish("abort")
         return len(aborted)
@@ -364,7 +376,7 @@ class EmbeddedEngine:
         for req in self._active:
             req.interruptions += 1
         self._waiting = self._active + self._waiting
-        self._active, self._cache, self._mask = [], None, None
+        self._active, self._cache, self._mask, self._shared = [], None, None, None
         self._prefixes.clear()  # cached keys and values belong to the old weights
         self.model = apply_weight_update(self.model, update, self._lora)
         self.model.eval()
@@ -514,6 +526,13 @@ class EmbeddedEngine:
         """Add a prefilled request as the batch's last row (its keys and values are copied
         into the batch buffers, right-aligned: rows are left-padded to a common width)."""
         row = torch.ones(1, length, dtype=torch.long)
+        ids = (req.prompt_ids + req.out_ids)[:-1]
+        if self._cache is None or self._shared is None:
+            # the row's own tensors: never modified in place (the batch copies them)
+            kv = [(layer.keys, layer.values) for layer in cache.layers]
+            self._shared = _SharedPrefix(ids, kv, length)
+        else:
+            self._shared.length = common_prefix_len(ids, self._shared.ids[: self._shared.length])
         if self._cache is None:
             batch_layer = _batch_layer_class()
             cache.layers = [batch_layer(layer.keys, layer.values) for layer in cache.layers]
@@ -543,13 +562,30 @@ class EmbeddedEngine:
 
     def _model_step(self, last: torch.Tensor, positions: torch.Tensor) -> Any:
         assert self._mask is not None
-        return self.model(
-            input_ids=last,
-            attention_mask=self._mask.to(self._device),
-            position_ids=positions,
-            use_cache=True,
-            **{self._cache_kwarg: self._cache},
-        )
+        plan = None
+        shared = self._shared
+        if shared is not None and shared.length >= _CASCADE_MIN_TOKENS and _cascading(self.model):
+            n, width = shared.length, self._mask.shape[1]
+            # row r's tokens start at column pad_r; its own (unshared) ones at pad_r + n
+            pad = width - self._mask.sum(1, keepdim=True)
+            cols = torch.arange(n, width).unsqueeze(0)
+            bias = torch.zeros(cols.shape[1]).expand(len(pad), -1)
+            bias = bias.masked_fill(cols < pad + n, float("-inf"))
+            plan = _CascadePlan(
+                n, [(k[:, :, :n], v[:, :, :n]) for k, v in shared.kv], bias.to(self._device)
+            )
+            self._stats["cascade_steps"] += 1
+        _PLAN.value = plan
+        try:
+            return self.model(
+                input_ids=last,
+                attention_mask=self._mask.to(self._device),
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_kwarg: self._cache},
+            )
+        finally:
+            _PLAN.value = None
 
     def _after_step(self, tokens: list[int], logps: list[float], tops: list[Any]) -> None:
         self._stats["decode_steps"] += 1
@@ -565,10 +601,26 @@ class EmbeddedEngine:
             done = self._finished(req, tok)
             if done is not None:
                 self._stats["requests"] += 1
+                self._remember(i, req)
                 req.finish(*done)
             elif not req.future.cancelled():
                 keep.append(i)
         self._retain(keep)
+
+    def _remember(self, row: int, req: _Request) -> None:
+        """Store a finished row's keys and values in the prefix cache (copies): its
+        conversation's next turn (the same tokens, a tool result appended) then prefills
+        only what was appended, not the tokens generated in this turn."""
+        assert self._mask is not None and self._cache is not None
+        ids = (req.prompt_ids + req.out_ids)[:-1]  # the last sampled token is not cached
+        n = int(self._mask[row].sum())
+        if n != len(ids) or self._prefixes.max_entries < 1:
+            return
+        kv = [
+            (layer.keys[row : row + 1, :, -n:].clone(), layer.values[row : row + 1, :, -n:].clone())
+            for layer in self._cache.layers
+        ]
+        self._prefixes.store(ids, kv)
 
     def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float], list[Any]]:
         temps = torch.tensor(
@@ -620,7 +672,7 @@ class EmbeddedEngine:
         if len(keep) == len(self._active):
             return
         if not keep:
-            self._active, self._cache, self._mask = [], None, None
+            self._active, self._cache, self._mask, self._shared = [], None, None, None
             return
         assert self._mask is not None
         kept, n = set(keep), len(keep)
@@ -662,6 +714,157 @@ class FairLock:
             self._cond.notify_all()
 
 
+@dataclass
+class _SharedPrefix:
+    """The first ``length`` cached tokens of every active row (``ids[:length]``), with the
+    keys and values of the row they were taken from (``[1, H_kv, >= length, D]`` per layer)."""
+
+    ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    length: int
+
+
+@dataclass
+class _CascadePlan:
+    """What one decode step's attention needs besides the batch cache: the shared prefix's
+    keys and values per layer (``[1, H_kv, n, D]``) and, over the batch cache's columns
+    ``n..W-1``, an additive bias that is 0 on each row's own tokens and -inf elsewhere (its
+    padding and its copy of the shared prefix)."""
+
+    n: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    bias: torch.Tensor  # [B, W - n]
+
+
+_PLAN = threading.local()
+_CASCADE = "areal_cascade"
+
+
+def _cascading(model: Any) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == _CASCADE
+
+
+def _use_cascade_attention(model: Any) -> None:
+    """Let a CPU model's decode steps read a prefix shared by every row once per step
+    instead of once per row (:func:`_cascade_attention`); other forward passes (prefill, a
+    model without a plan) run transformers' ``sdpa`` attention unchanged."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if (
+        next(model.parameters()).device.type != "cpu"
+        or getattr(model.config, "_attn_implementation", None) != "sdpa"
+        or not hasattr(model, "set_attn_implementation")
+    ):
+        return
+    AttentionInterface.register(_CASCADE, _cascade_attention)
+    AttentionMaskInterface.register(_CASCADE, sdpa_mask)
+    model.set_attn_implementation(_CASCADE)
+
+
+def _cascade_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Decode-step attention in two parts, merged exactly.
+
+    With the shared prefix ``K_s, V_s`` (``n`` tokens, the same for every row) and a row's
+    own tokens ``K_r, V_r`` (the batch cache's columns from ``n`` on, masked to the row's
+    tokens after its copy of the prefix), each query ``q`` (scaled scores ``s = q K^T *
+    scaling``) gets::
+
+        m_i = max(s_i),  z_i = sum exp(s_i - m_i),  o_i = exp(s_i - m_i) V_i   (i = s, r)
+        out = (o_s e^(m_s - m) + o_r e^(m_r - m)) / (z_s e^(m_s - m) + z_r e^(m_r - m)),
+        m = max(m_s, m_r)
+
+    which is ``softmax([s_s, s_r]) [V_s; V_r]``, the attention over the whole row. The
+    shared part is one matmul for all rows (the prefix is read once, not once per row: on a
+    CPU the per-row reads of the keys and values bound a decode step). Grouped-query heads
+    share their key-value head. Anything else (no plan: prefill, a model used elsewhere;
+    sliding windows, soft-capping) is transformers' ``sdpa`` attention.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plan: _CascadePlan | None = getattr(_PLAN, "value", None)
+    layer = getattr(module, "layer_idx", None)
+    if (
+        plan is None
+        or layer is None
+        or query.shape[2] != 1
+        or kwargs.get("sliding_window") is not None
+        or kwargs.get("softcap") is not None
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, **kwargs
+        )
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    per = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    q = query.float().view(rows, kv_heads, per, dim)  # head h reads key-value head h // per
+    ks, vs = plan.kv[layer]
+    # shared: [kv_heads, rows * per, n]
+    qs = q.transpose(0, 1).reshape(kv_heads, rows * per, dim)
+    s_s = torch.matmul(qs, ks[0].float().transpose(-1, -2)) * scale
+    m_s = s_s.amax(-1, keepdim=True)
+    e_s = torch.exp(s_s - m_s)
+    z_s, o_s = e_s.sum(-1, keepdim=True), torch.matmul(e_s, vs[0].float())
+
+    def rowwise(x: torch.Tensor) -> torch.Tensor:  # [kv_heads, rows * per, d] -> [rows, ...]
+        return x.view(kv_heads, rows, per, x.shape[-1]).transpose(0, 1)
+
+    m_s, z_s, o_s = rowwise(m_s), rowwise(z_s), rowwise(o_s)
+    # own tokens: [rows, kv_heads, per, W - n]
+    kr, vr = key[:, :, plan.n :].float(), value[:, :, plan.n :].float()
+    s_r = torch.matmul(q, kr.transpose(-1, -2)) * scale + plan.bias[:, None, None, :]
+    m_r = s_r.amax(-1, keepdim=True)  # finite: every row has its current token
+    e_r = torch.exp(s_r - m_r)
+    z_r, o_r = e_r.sum(-1, keepdim=True), torch.matmul(e_r, vr)
+    m = torch.maximum(m_s, m_r)
+    a_s, a_r = torch.exp(m_s - m), torch.exp(m_r - m)
+    out = (o_s * a_s + o_r * a_r) / (z_s * a_s + z_r * a_r)  # [rows, kv_heads, per, dim]
+    out = out.reshape(rows, heads, 1, dim).transpose(1, 2).to(query.dtype)
+    return out.contiguous(), None
+
+
+def _sliced_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    w, b = self.weight, self.bias
+    return torch.cat(
+        [
+            torch.nn.functional.linear(
+                x, w[s : s + _LOGIT_SLICE], None if b is None else b[s : s + _LOGIT_SLICE]
+            )
+            for s in range(0, w.shape[0], _LOGIT_SLICE)
+        ],
+        -1,
+    )
+
+
+def _slice_output_projection(model: Any) -> None:
+    """On CPU, compute the vocabulary projection in slices of ``_LOGIT_SLICE`` rows.
+
+    ``logits[:, j] = x @ W[j]`` for every slice: the same dot products, in matmuls whose
+    results stay in cache. One ``[32, 576] x [576, 49152]`` matmul of the default model takes
+    ~51 ms on a 2-core AVX2 CPU and ~31 ms in slices (``benchmarks/README.md``), a decode step
+    ~280 ms. The module keeps its weight (tied or not) and its state dict; only the
+    instance's ``forward`` changes, so weight updates load as before.
+    """
+    import types
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if (
+        type(head) is torch.nn.Linear
+        and head.weight.device.type == "cpu"
+        and head.out_features >= 4 * _LOGIT_SLICE
+    ):
+        head.forward = types.MethodType(_sliced_linear, head)  # type: ignore[method-assign]
+
+
 def _cache_kwarg(model: Any) -> str:
     """transformers >= 5.24 names the KV-cache argument ``cache``; earlier: past_key_values."""
     import inspect
@@ -677,7 +880,8 @@ class _PrefixCache:
     ``lookup`` finds the stored sequence sharing the longest prefix with the query and
     returns that many tokens of its keys and values (the KV of a prefix depends only on the
     prefix): a system prompt and tool list common to many episodes, or the previous turn of
-    the same conversation, are computed once. Entries are evicted least recently used.
+    the same conversation (its prompt and the reply generated for it, stored when the
+    request finishes), are computed once. Entries are evicted least recently used.
     Tensors are never modified in place (caches grow by concatenation), so entries are
     shared without copies. Whoever changes the weights must ``clear`` it.
     """

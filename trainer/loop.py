@@ -80,6 +80,7 @@ ENGINE_COUNTERS = (
     "prefix_full_hits",
     "prefill_batches",
     "decode_steps",
+    "cascade_steps",
     "output_tokens",
 )
 

@@ -134,12 +134,12 @@ async def test_prefix_cache_reuses_shared_prompts_exactly(tiny_model_dir, hf_mod
         hits0 = (await eng.health())["prefix_hit_tokens"]
         b = await eng.generate(other, greedy)  # reuses the 60 shared tokens
         second = [*first, *a.output_ids, 31, 32]
-        c = await eng.generate(second, greedy)  # reuses the whole first prompt (+ output)
+        c = await eng.generate(second, greedy)  # reuses the whole first prompt and output
         stats = await eng.health()
         assert hits0 == 0
-        # call 2: the 60 shared tokens; call 3: the first call's prefill (its prompt but the
-        # pending last token)
-        assert stats["prefix_hit_tokens"] == 60 + len(first) - 1
+        # call 2: the 60 shared tokens; call 3: the first call's prompt and output but its
+        # last sampled token (never fed back: the call finished on it), stored when it finished
+        assert stats["prefix_hit_tokens"] == 60 + len(first) + len(a.output_ids) - 1
         for prompt, res in ((first, a), (other, b), (second, c)):
             assert_greedy_matches_hf(hf_model, prompt, res, 6)
         # The same prompt again (a group's episodes): its prefill is all cached, no forward.
@@ -245,3 +245,128 @@ def test_inverse_cdf_sampling_hand_computed_and_distribution():
     freq = torch.bincount(torch.tensor(drawn), minlength=5).double() / n
     sigma = (target.double() * (1 - target.double()) / n).sqrt()
     assert torch.all((freq - target.double()).abs() <= 4 * sigma + 1e-9)
+
+
+def test_sliced_output_projection_equals_the_plain_one():
+    """On CPU the engine computes the vocabulary projection in slices of its weight's rows:
+    the same logits as one matmul, the weight (tied to the embeddings here) and the state
+    dict untouched, so weight updates still reach it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from areal_agents.embedded import _LOGIT_SLICE, _slice_output_projection
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=4 * _LOGIT_SLICE + 77,  # a last slice shorter than the others
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (3, 7))
+    with torch.no_grad():
+        plain = model(ids).logits
+        keys = set(model.state_dict())
+        _slice_output_projection(model)
+        head = model.get_output_embeddings()
+        assert "forward" in vars(head)  # the instance's forward was replaced
+        sliced = model(ids).logits
+        assert set(model.state_dict()) == keys
+        assert head.weight is model.get_input_embeddings().weight
+        torch.testing.assert_close(sliced, plain, rtol=1e-5, atol=1e-5)
+        head.weight.mul_(2.0)  # an in-place update (as a weight sync does) is seen
+        hidden = model.model(ids).last_hidden_state
+        expected = torch.nn.functional.linear(hidden, head.weight)
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(expected, plain)
+
+
+def test_small_vocabularies_keep_the_plain_projection():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from areal_agents.embedded import _slice_output_projection
+
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(cfg)
+    _slice_output_projection(model)
+    assert "forward" not in vars(model.get_output_embeddings())
+
+
+def test_cascade_attention_equals_attention_over_the_whole_row():
+    """Decode-step attention split into a shared prefix (read once for all rows) and each
+    row's own tokens (left-padded, after its own copy of the prefix) equals plain attention
+    over the row's real tokens, with grouped-query heads."""
+    from types import SimpleNamespace
+
+    from areal_agents import embedded as E
+
+    torch.manual_seed(0)
+    rows, heads, kv_heads, dim, n = 3, 6, 2, 8, 5
+    own = [4, 1, 7]  # each row's own cached tokens, the current one included
+    width = n + max(own)
+    shared_k, shared_v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
+    key = torch.zeros(rows, kv_heads, width, dim)
+    value = torch.zeros(rows, kv_heads, width, dim)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for r, m in enumerate(own):
+        pad = width - n - m
+        key[r, :, pad : pad + n], value[r, :, pad : pad + n] = shared_k[0], shared_v[0]
+        key[r, :, pad + n :] = torch.randn(kv_heads, m, dim)
+        value[r, :, pad + n :] = torch.randn(kv_heads, m, dim)
+        key[r, :, :pad] = 99.0  # padding: never read
+        mask[r, pad:] = 1
+    query = torch.randn(rows, heads, 1, dim)
+    padcols = width - mask.sum(1, keepdim=True)
+    cols = torch.arange(n, width).unsqueeze(0)
+    bias = torch.zeros(rows, width - n).masked_fill(cols < padcols + n, float("-inf"))
+    E._PLAN.value = E._CascadePlan(n, [(shared_k, shared_v)], bias)
+    try:
+        module = SimpleNamespace(layer_idx=0, num_key_value_groups=heads // kv_heads)
+        out, _ = E._cascade_attention(module, query, key, value, None, scaling=0.3)
+    finally:
+        E._PLAN.value = None
+    assert out.shape == (rows, 1, heads, dim)
+    for r in range(rows):
+        real = mask[r].bool()
+        k = key[r][:, real].repeat_interleave(heads // kv_heads, 0)  # [heads, L, dim]
+        v = value[r][:, real].repeat_interleave(heads // kv_heads, 0)
+        p = torch.softmax(query[r] @ k.transpose(-1, -2) * 0.3, -1)  # [heads, 1, L]
+        torch.testing.assert_close(out[r, 0], (p @ v)[:, 0], rtol=1e-5, atol=1e-5)
+
+
+async def test_rows_sharing_a_prefix_decode_exactly_with_cascade_attention(
+    tiny_model_dir, hf_model
+):
+    """Rows that share a long prompt prefix (a system prompt) attend to it as one block;
+    greedy outputs and logprobs still equal plain transformers, also after a row with a
+    shorter shared prefix joins the running batch."""
+    system = list(range(200, 260))  # 60 shared tokens
+    prompts = [[*system, *range(20, 20 + m)] for m in (1, 6, 13)]
+    eng = EmbeddedEngine.from_pretrained(tiny_model_dir, dtype="float32", max_batch_size=8)
+    try:
+        assert eng.model.config._attn_implementation == "areal_cascade"
+        tasks = [
+            asyncio.create_task(eng.generate(p, SamplingParams(temperature=0, max_new_tokens=12)))
+            for p in prompts
+        ]
+        while (await eng.health())["output_tokens"] < 6:
+            await asyncio.sleep(0.005)
+        late = [*system[:30], *range(600, 610)]  # shares 30 tokens with the others
+        late_res = await eng.generate(late, SamplingParams(temperature=0, max_new_tokens=5))
+        results = await asyncio.gather(*tasks)
+        stats = await eng.health()
+        assert stats["cascade_steps"] > 0
+        for prompt, res in zip([*prompts, late], [*results, late_res], strict=True):
+            assert_greedy_matches_hf(hf_model, prompt, res, len(res.output_ids))
+    finally:
+        await eng.close()
