@@ -786,7 +786,8 @@ def _cascade_attention(
     shared part is one matmul for all rows (the prefix is read once, not once per row: on a
     CPU the per-row reads of the keys and values bound a decode step). Grouped-query heads
     share their key-value head. Anything else (no plan: prefill, a model used elsewhere;
-    sliding windows, soft-capping) is transformers' ``sdpa`` attention.
+    sliding windows, soft-capping, attention sinks, position biases) is transformers' ``sdpa``
+    attention.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -796,8 +797,8 @@ def _cascade_attention(
         plan is None
         or layer is None
         or query.shape[2] != 1
-        or kwargs.get("sliding_window") is not None
-        or kwargs.get("softcap") is not None
+        or any(kwargs.get(k) is not None for k in ("sliding_window", "softcap", "s_aux"))
+        or kwargs.get("position_bias") is not None
     ):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, **kwargs
