@@ -797,8 +797,10 @@ def _cascade_attention(
         plan is None
         or layer is None
         or query.shape[2] != 1
-        or any(kwargs.get(k) is not None for k in ("sliding_window", "softcap", "s_aux"))
-        or kwargs.get("position_bias") is not None
+        or any(
+            kwargs.get(k) is not None
+            for k in ("sliding_window", "softcap", "s_aux", "position_bias")
+        )
     ):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, **kwargs

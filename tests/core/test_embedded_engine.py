@@ -247,26 +247,31 @@ def test_inverse_cdf_sampling_hand_computed_and_distribution():
     assert torch.all((freq - target.double()).abs() <= 4 * sigma + 1e-9)
 
 
-def test_sliced_output_projection_equals_the_plain_one():
-    """On CPU the engine computes the vocabulary projection in slices of its weight's rows:
-    the same logits as one matmul, the weight (tied to the embeddings here) and the state
-    dict untouched, so weight updates still reach it."""
+def _one_layer_llama(vocab: int, tie: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from areal_agents.embedded import _LOGIT_SLICE, _slice_output_projection
-
-    torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=4 * _LOGIT_SLICE + 77,  # a last slice shorter than the others
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
     )
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (3, 7))
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_sliced_output_projection_equals_the_plain_one():
+    """On CPU the engine computes the vocabulary projection in slices of its weight's rows:
+    the same logits as one matmul, the weight (tied to the embeddings here) and the state
+    dict untouched, so weight updates still reach it."""
+    from areal_agents.embedded import _LOGIT_SLICE, _slice_output_projection
+
+    torch.manual_seed(0)
+    vocab = 4 * _LOGIT_SLICE + 77  # a last slice shorter than the others
+    model = _one_layer_llama(vocab, tie=True)
+    ids = torch.randint(0, vocab, (3, 7))
     with torch.no_grad():
         plain = model(ids).logits
         keys = set(model.state_dict())
@@ -285,19 +290,9 @@ def test_sliced_output_projection_equals_the_plain_one():
 
 
 def test_small_vocabularies_keep_the_plain_projection():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from areal_agents.embedded import _slice_output_projection
 
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = _one_layer_llama(256, tie=False)
     _slice_output_projection(model)
     assert "forward" not in vars(model.get_output_embeddings())
 
