@@ -21,6 +21,7 @@ compared first (fast and exact): both sides are read as fractions (thousands sep
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from fractions import Fraction
@@ -92,6 +93,19 @@ def _numbers_equal(predicted: str, gold: str) -> bool:
     if p is None or g is None:
         return False
     return abs(p - g) <= Fraction(1, 10**6) * max(Fraction(1), abs(g))
+
+
+class _NoTimeoutWarning(logging.Filter):
+    """Drops math_verify's warning that its timeout is off: :func:`_verify` turns it off on
+    purpose in worker threads (where ``signal.alarm`` cannot run), and every env thread would
+    print it otherwise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_NoTimeoutWarning())
 
 
 def _verify(predicted: str, gold: str) -> bool:

@@ -324,10 +324,10 @@ class CalculatorEnv(_AnswerEnv):
 
     @staticmethod
     def demos(
-        n: int, seed: int = 0, kind: str = "mixed", balanced: bool = True
+        n: int, seed: int = 0, kind: str = "mixed", balanced: bool = True, compact: bool = False
     ) -> list[list[Message]]:
         """Correct conversations for a supervised warm start (see :func:`demos`)."""
-        return demos(n, seed=seed, kind=kind, balanced=balanced)  # type: ignore[arg-type]
+        return demos(n, seed=seed, kind=kind, balanced=balanced, compact=compact)  # type: ignore[arg-type]
 
     def __init__(
         self,
@@ -426,12 +426,14 @@ def example_tasks(n: int) -> list[MathTask]:
     return [pools[i % 2][i // 2] for i in range(n)]
 
 
-def solved_turns(task: MathTask, call_prefix: str = "call") -> list[Message]:
+def solved_turns(task: MathTask, call_prefix: str = "call", compact: bool = False) -> list[Message]:
     """The correct turns for a calculator task: the question, the calculator call, its
-    result and the final answer."""
+    result and the final answer. With ``compact`` the call's arguments are compact JSON
+    (``{"expression":"(1 + 2) * 3"}``, see :func:`demos`)."""
     assert task.expression is not None, "solved_turns needs a task with an expression"
     call_id = f"{call_prefix}_{task.task_id}"
     result = calculator.call({"expression": task.expression}).content
+    separators = (",", ":") if compact else None
     return [
         {"role": "user", "content": task.question},
         {
@@ -443,7 +445,9 @@ def solved_turns(task: MathTask, call_prefix: str = "call") -> list[Message]:
                     "type": "function",
                     "function": {
                         "name": "calculator",
-                        "arguments": json.dumps({"expression": task.expression}),
+                        "arguments": json.dumps(
+                            {"expression": task.expression}, separators=separators
+                        ),
                     },
                 }
             ],
@@ -458,6 +462,7 @@ def demos(
     seed: int = 0,
     kind: Literal["arithmetic", "word", "mixed"] = "mixed",
     balanced: bool = True,
+    compact: bool = False,
 ) -> list[list[Message]]:
     """``n`` correct Calculator-v0 conversations for a supervised warm start.
 
@@ -472,6 +477,13 @@ def demos(
     so a small warm start does not leave a shape to the luck of the draw
     (100 uniformly drawn arithmetic demos hold 16, 13 and 25 of the two parenthesized
     shapes for seeds 0, 1 and 2); ``balanced=False`` draws tasks uniformly from the pool.
+
+    With ``compact`` [False] the calls' arguments are written without spaces
+    (``{"expression":"(12 + 5) * 3"}``). The default model's tokenizer merges a space, the
+    opening quote and a leading parenthesis into one rare token (`` "(``), which a small
+    warm start leaves at ~1-3% where a parenthesized expression should begin (so greedy
+    decoding drops the parenthesis: ``12 + 5``); after the compact ``":"`` the parenthesis
+    is the ordinary ``(`` token, and the same warm start gives it ~3x the probability.
     """
     if n < 0:
         raise ValueError(f"n must be non-negative, got {n}")
@@ -479,7 +491,7 @@ def demos(
     rng = random.Random(seed)
     indices = _balanced_sample(pool, n, rng) if balanced else rng.sample(range(len(pool)), n)
     system = {"role": "system", "content": CALCULATOR_SYSTEM_PROMPT}
-    return [[dict(system), *solved_turns(pool[i])] for i in indices]
+    return [[dict(system), *solved_turns(pool[i], compact=compact)] for i in indices]
 
 
 def solution_shape(task: MathTask) -> str:

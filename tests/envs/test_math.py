@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
 from collections import Counter
 
 import pytest
@@ -56,6 +58,20 @@ def test_extract_answer_reads_boxed_hashes_phrases_then_last_number(text, answer
 )
 def test_answers_match_fractions_decimals_and_symbolic_forms(predicted, gold, same):
     assert answers_match(predicted, gold) is same
+
+
+def test_symbolic_checks_in_worker_threads_do_not_warn_about_the_disabled_timeout(caplog):
+    # Off the main thread math_verify cannot use signal.alarm, so the timeout is off on
+    # purpose; its warning about that is filtered out instead of printed by every env thread.
+    results: list[bool] = []
+    with caplog.at_level(logging.WARNING):
+        worker = threading.Thread(
+            target=lambda: results.append(answers_match("\\sqrt{2}/2", "\\frac{1}{\\sqrt{2}}"))
+        )
+        worker.start()
+        worker.join()
+    assert results == [True]
+    assert not [r for r in caplog.records if "Timeout is disabled" in r.getMessage()]
 
 
 def _answer_turn(text):
@@ -270,6 +286,28 @@ def test_balanced_demos_cover_every_solution_shape_evenly():
     } == {True, False}
     assert CalculatorEnv.demos(25, seed=0, kind="arithmetic") == demos(
         25, seed=0, kind="arithmetic"
+    )
+
+
+def test_compact_demos_write_the_same_calls_without_spaces():
+    plain = demos(30, seed=2, kind="arithmetic")
+    compact = demos(30, seed=2, kind="arithmetic", compact=True)
+    env = CalculatorEnv(kind="arithmetic", require_tool=True)
+    for a, b in zip(plain, compact, strict=True):
+        args_a = a[2]["tool_calls"][0]["function"]["arguments"]
+        args_b = b[2]["tool_calls"][0]["function"]["arguments"]
+        expression = json.loads(args_a)["expression"]
+        assert json.loads(args_b) == json.loads(args_a)
+        assert args_b == '{"expression":"' + expression + '"}'
+
+        assert [m for m in a if m["role"] != "assistant"] == [
+            m for m in b if m["role"] != "assistant"
+        ]
+        env.reset(options={"task_id": b[2]["tool_calls"][0]["id"].removeprefix("call_")})
+        assert env.step(b[2])[0] == [b[3]] and env.step(b[4])[1] == 1.0
+    assert any(
+        json.loads(c[2]["tool_calls"][0]["function"]["arguments"])["expression"][0] == "("
+        for c in compact
     )
 
 
