@@ -60,9 +60,16 @@ def test_answers_match_fractions_decimals_and_symbolic_forms(predicted, gold, sa
     assert answers_match(predicted, gold) is same
 
 
-def test_symbolic_checks_in_worker_threads_do_not_warn_about_the_disabled_timeout(caplog):
+def test_symbolic_checks_in_worker_threads_do_not_warn_about_the_disabled_timeout(
+    caplog, monkeypatch
+):
     # Off the main thread math_verify cannot use signal.alarm, so the timeout is off on
     # purpose; its warning about that is filtered out instead of printed by every env thread.
+    from math_verify import grader, parser
+
+    # math_verify warns once per process: make this call the first, whatever ran before
+    monkeypatch.setattr(parser, "TIMEOUT_WARNING_SHOWN", False)
+    monkeypatch.setattr(grader, "TIMEOUT_WARNING_SHOWN", False)
     results: list[bool] = []
     with caplog.at_level(logging.WARNING):
         worker = threading.Thread(
@@ -299,7 +306,6 @@ def test_compact_demos_write_the_same_calls_without_spaces():
         expression = json.loads(args_a)["expression"]
         assert json.loads(args_b) == json.loads(args_a)
         assert args_b == '{"expression":"' + expression + '"}'
-
         assert [m for m in a if m["role"] != "assistant"] == [
             m for m in b if m["role"] != "assistant"
         ]
