@@ -86,6 +86,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--concurrency", type=int, default=64)
     ev.add_argument("--seed", type=int, default=0, help="task t uses seed SEED + t")
     ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    ev.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: all")
     ev.add_argument("--max-tokens", type=int, default=256)
     ev.add_argument("--max-turns", type=int, default=8)
     ev.add_argument("--timeout", type=float, default=600.0, help="per-episode time limit (s)")
@@ -292,7 +294,13 @@ def _eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
     make(args.env, **env_kwargs).close()  # unknown ids and bad kwargs fail before the model loads
     agent = _load_agent(args.agent) if args.agent else None
-    sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
+    if not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise ConfigError("--top-p must be in (0, 1] and --top-k >= 0 (0 keeps every token)")
+    sampling: dict[str, Any] = {"temperature": args.temperature, "max_tokens": args.max_tokens}
+    if args.top_p < 1:
+        sampling["top_p"] = args.top_p
+    if args.top_k:
+        sampling["top_k"] = args.top_k
     with _ray_session(args), _eval_runner(args, sampling) as (runner, close):
         bar = tqdm(
             total=args.episodes // args.k * args.k,

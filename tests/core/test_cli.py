@@ -48,6 +48,15 @@ def test_eval_unknown_env_suggests_nearest_before_loading_a_model():
     assert "areal/Calculator-v0" in out.stderr
 
 
+def test_eval_bad_truncation_names_the_valid_range_before_loading_a_model():
+    out = cli("eval", "--env", "areal/Calculator-v0", "--top-p", "1.5")
+    assert out.returncode == 2
+    assert "--top-p must be in (0, 1]" in out.stderr
+    out = cli("eval", "--env", "areal/Calculator-v0", "--top-k", "-1")
+    assert out.returncode == 2
+    assert "--top-k >= 0" in out.stderr
+
+
 @pytest.mark.slow
 def test_serve_smoke_answers_and_records_with_the_default_model():
     """The README's main-job path: the offline default model behind the proxy."""
@@ -94,6 +103,10 @@ def test_eval_on_the_default_model_writes_episodes_and_report(tmp_path):
         "40",
         "--max-turns",
         "3",
+        "--top-p",
+        "0.95",
+        "--top-k",
+        "20",
         "--out",
         str(tmp_path),
         timeout=900,
