@@ -39,12 +39,24 @@ class Batch:
     """Per sample, the index of each token's completion within it (-1: not sampled)."""
     episode_ids: list[str] = dataclasses.field(default_factory=list)
     """Per sample, the episode it comes from."""
+    temps: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Per sample, over tokens 1..n-1, the temperature each token was sampled with (its
+    completion's recorded ``sampling.temperature``; 1 where not sampled). The trainer scores
+    every token at it, so an agent that sets its own temperature, or calls at several, keeps
+    the behaviour and current logprobs on one scale."""
 
 
 def build_batch(
-    episodes: list[Episode], spec: AlgorithmSpec, gamma: float, max_tokens: int
+    episodes: list[Episode],
+    spec: AlgorithmSpec,
+    gamma: float,
+    max_tokens: int,
+    temperature: float = 1.0,
 ) -> tuple[Batch, dict[str, float]]:
     """Training samples with per-token advantages and batch-normalized loss weights.
+
+    ``temperature``: for completions that recorded none (the proxy records the one each call
+    used; ``Batch.temps``).
 
     With a critic (PPO) the advantages are left at 0 and ``batch.gae`` is set: pass the
     critic's values to ``add_gae``. With ``spec.overlong`` (DAPO) each completion's reward
@@ -62,6 +74,7 @@ def build_batch(
     out = Batch([], [], [], [], [], [], [], gae=GaeInputs() if spec.needs_critic else None)
     merged = eligible = 0
     for ep in episodes:
+        temp_of = {c.id: float(c.sampling.get("temperature", temperature)) for c in ep.completions}
         samples, merges = ep.samples(gamma)
         merged += sum(1 for m in merges if m["merged"])
         eligible += sum(1 for m in merges if m["reason"] != "root")
@@ -79,6 +92,15 @@ def build_batch(
             out.versions.append(torch.tensor(s.versions[1:]))
             out.adv.append(torch.tensor(tok_adv, dtype=torch.float32))
             out.segments.append(torch.tensor(s.token_completion[1:]))
+            out.temps.append(
+                torch.tensor(
+                    [
+                        temp_of[s.completion_ids[k]] if k >= 0 else 1.0
+                        for k in s.token_completion[1:]
+                    ],
+                    dtype=torch.float32,
+                )
+            )
     out.seqs = seqs
     out.completions = [torch.tensor(t) for t in tcs]
     out.episode_ids = sample_eps
@@ -134,6 +156,7 @@ def split_batch(batch: Batch, n: int, spec: AlgorithmSpec, max_tokens: int) -> l
             ref=pick(batch.ref),
             completions=[batch.completions[i] for i in idx],
             episode_ids=[batch.episode_ids[i] for i in idx],
+            temps=[batch.temps[i] for i in idx] if batch.temps else [],
         )
         mb.weights = _loss_weights(mb, spec, max_tokens)
         out.append(mb)

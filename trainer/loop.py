@@ -449,9 +449,13 @@ class Trainer:
         results = [r for _, eps in got for r in eps]
         episodes = [r.episode for r in results]
         batch, bstats = build_batch(
-            episodes, self.spec, cfg.rollout.gamma, cfg.sampling.max_new_tokens
+            episodes,
+            self.spec,
+            cfg.rollout.gamma,
+            cfg.sampling.max_new_tokens,
+            cfg.sampling.temperature,
         )
-        temp = cfg.sampling.temperature
+        temp = batch.temps  # each token at the temperature it was sampled with
         t0 = time.perf_counter()
         if cfg.loss.proximal == "recompute":
             batch.prox = await asyncio.to_thread(
@@ -566,7 +570,7 @@ def policy_updates(
         out = policy.train_step(
             mb.seqs,
             make_loss_fn(mb, spec, cfg, version),
-            cfg.sampling.temperature,
+            mb.temps or cfg.sampling.temperature,
             cfg.train.micro_batch_tokens,
             mb.mask,
             spec.loss.entropy_coef > 0,

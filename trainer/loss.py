@@ -46,21 +46,33 @@ def _check_choice(name: str, value: str, kind: object) -> None:
 
 
 # ------------------------------------------------------------------ logits
-def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+def scale_logits(logits: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
+    """``logits / T`` in float32, T = 1 where T == 0 (greedy: the engines record the plain
+    distribution). ``temperature`` is one number or one per position (``logits.shape[:-1]``):
+    each token is scored at the temperature it was sampled with."""
+    if isinstance(temperature, Tensor):
+        t = temperature.to(device=logits.device, dtype=torch.float32)
+        t = torch.where(t > 0, t, torch.ones_like(t))
+        return logits.float() / t.unsqueeze(-1)
+    return logits.float() / (temperature if temperature > 0 else 1.0)
+
+
+def logprobs_from_logits(
+    logits: Tensor, tokens: Tensor, temperature: float | Tensor = 1.0
+) -> Tensor:
     """Logprob of ``tokens`` under ``log_softmax(logits / T)`` in float32 (T = 1 when T == 0).
 
     The same quantity the inference engines record, so that the first training step on fresh
-    data sees ratio 1. ``logits`` is ``[..., V]``, ``tokens`` ``[...]``.
+    data sees ratio 1. ``logits`` is ``[..., V]``, ``tokens`` ``[...]``; ``temperature`` is a
+    number or ``[...]`` (see :func:`scale_logits`).
     """
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    logp = torch.log_softmax(scale_logits(logits, temperature), dim=-1)
     return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+def entropy_from_logits(logits: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
     """Entropy ``-sum(p * log p)`` of ``softmax(logits / T)`` in float32, over the last axis."""
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    logp = torch.log_softmax(scale_logits(logits, temperature), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 

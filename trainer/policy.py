@@ -40,7 +40,7 @@ from areal_agents.engine import WeightUpdate
 from areal_agents.hardware import default_device
 from areal_agents.trajectory import common_prefix_len
 
-from .loss import entropy_from_logits
+from .loss import entropy_from_logits, scale_logits
 
 
 @dataclass
@@ -235,10 +235,17 @@ def make_tree_packed(
     return packed
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T)[target] in float32 (T = 1 when temperature is 0)."""
-    t = temperature if temperature > 0 else 1.0
-    scaled = logits.float() / t
+Temperature = float | Sequence[torch.Tensor]
+"""One sampling temperature for every token, or per sequence one per token 1..n-1 (the
+temperature each token was sampled with; ``Batch.temps``)."""
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor
+) -> torch.Tensor:
+    """log_softmax(logits / T)[target] in float32 (T = 1 where it is 0); ``temperature`` is
+    a number or one per row of ``logits``."""
+    scaled = scale_logits(logits, temperature)
     return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
 
 
@@ -347,7 +354,7 @@ class Policy:
         self,
         logits: torch.Tensor,
         packed: Packed,
-        temperature: float,
+        temperature: Temperature,
         entropy: bool,
         entropy_grad: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -367,9 +374,14 @@ class Policy:
                 lg = logits[int(src[0]) : int(src[0]) + b - a]
             else:
                 lg = logits[src]
-            lp = token_logprobs(lg, ids[rows[a + 1 : b + 1]], temperature)
+            t: float | torch.Tensor = (
+                temperature
+                if isinstance(temperature, (int, float))
+                else temperature[packed.items[k]][a:b]
+            )
+            lp = token_logprobs(lg, ids[rows[a + 1 : b + 1]], t)
             if entropy:
-                ent = entropy_from_logits(lg if entropy_grad else lg.detach(), temperature)
+                ent = entropy_from_logits(lg if entropy_grad else lg.detach(), t)
             else:
                 ent = lp.new_zeros(b - a)
             if (a, b) != (0, n):
@@ -384,7 +396,7 @@ class Policy:
     def logprobs(
         self,
         seqs: Sequence[Sequence[int]],
-        temperature: float,
+        temperature: Temperature,
         micro_batch_tokens: int = 4096,
         needed: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
@@ -405,7 +417,7 @@ class Policy:
     def ref_logprobs(
         self,
         seqs: Sequence[Sequence[int]],
-        temperature: float,
+        temperature: Temperature,
         micro_batch_tokens: int = 4096,
         needed: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
@@ -426,7 +438,7 @@ class Policy:
         self,
         seqs: Sequence[Sequence[int]],
         loss_fn: LossFn,
-        temperature: float,
+        temperature: Temperature,
         micro_batch_tokens: int = 4096,
         needed: Sequence[torch.Tensor] | None = None,
         entropy_grad: bool = False,

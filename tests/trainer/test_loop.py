@@ -87,6 +87,94 @@ def test_needed_windows_give_the_same_logprobs_and_gradients(tiny_model_dir):
         assert (pf.grad - pp.grad).norm() <= 1e-4 * pf.grad.norm() + 1e-12
 
 
+def test_each_token_is_scored_at_the_temperature_it_was_sampled_with(policy):
+    """Per-token temperatures (``Batch.temps``): every token's logprob and entropy equal the
+    plain computation at its own temperature, in flat and prefix-shared packing alike."""
+    shared = list(range(10, 22))
+    seqs = [shared + list(range(30, 40)), shared + list(range(50, 56)), list(range(5, 18))]
+    temps = [torch.full((len(s) - 1,), 1.0) for s in seqs]
+    temps[0][:11] = 0.5  # a first turn at 0.5, then a second at 1.0 (merged turns)
+    temps[1][:] = 1.7
+    temps[2][4:] = 0.0  # greedy: scored at 1, as the engines record it
+    with torch.no_grad():
+        want = []
+        for s, t in zip(seqs, temps, strict=True):
+            logits = policy.model(torch.tensor([s])).logits[0, :-1].float()
+            t1 = torch.where(t > 0, t, torch.ones_like(t)).unsqueeze(1)
+            logp = torch.log_softmax(logits / t1, -1)
+            want.append(logp.gather(1, torch.tensor(s[1:]).unsqueeze(1)).squeeze(1))
+    for budget in (16, 4096):  # each sequence alone / one prefix tree
+        got = policy.logprobs(seqs, temps, budget)
+        for g, w in zip(got, want, strict=True):
+            assert torch.allclose(g, w, atol=1e-5)
+    assert not torch.allclose(policy.logprobs(seqs, 1.0)[0], want[0], atol=1e-3)
+
+    seen = {}
+
+    def loss_fn(items, logps, ents):
+        for i, lp in zip(items, logps, strict=True):
+            seen[i] = lp.detach()
+        return -torch.stack([lp.sum() for lp in logps]).sum() * 0, {}
+
+    policy.train_step(seqs, loss_fn, temps, 4096)
+    for i, w in enumerate(want):
+        assert torch.allclose(seen[i], w, atol=1e-5)
+
+
+def test_sampled_logprobs_match_the_trainers_at_each_calls_temperature(tiny_model_dir, tmp_path):
+    """Episodes whose calls chose their own temperature (0.5 and 1.6, while the config says
+    1.0): the batch scores each token at its call's temperature, so the trainer's logprobs
+    under the sampling weights equal the engine's (ratio 1 on fresh data)."""
+    import envs
+    from envs.base import AgentEnv
+    from trainer.loop import Trainer
+
+    class Chat(AgentEnv):
+        def _start(self, options):
+            return [{"role": "user", "content": "Say something."}], {"task_id": "chat"}
+
+        def tools(self):
+            return []
+
+        def _respond(self, message):
+            return [], float(len(message.get("content") or "") % 2), True, {}
+
+    envs.register("test/Chat-v0", Chat, description="one free reply", override=True)
+    cfg = load_config(
+        None,
+        [
+            "env.id=test/Chat-v0",
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            "rollout.group_size=3",
+            "sampling.max_new_tokens=12",
+            "metrics.tensorboard=false",
+            f"train.output_dir={tmp_path}",
+        ],
+    )
+    trainer = Trainer(cfg, quiet=True)
+    trainer._build()
+
+    async def sample() -> list:
+        episodes = []
+        for g, t in enumerate((0.5, 1.6)):
+            trainer.runner.sampling["temperature"] = t
+            results = await trainer.runner.run_group(trainer.make_env, 3, seed=g, sampling_seed=g)
+            episodes += [r.episode for r in results]
+        await trainer.engine.close()
+        return episodes
+
+    episodes = asyncio.run(sample())
+    batch, _ = build_batch(episodes, trainer.spec, 1.0, 12, temperature=1.0)
+    used = {round(float(t[m > 0][0]), 4) for t, m in zip(batch.temps, batch.mask, strict=True)}
+    assert used == {0.5, 1.6}
+    got = trainer.policy.logprobs(batch.seqs, batch.temps)
+    flat = trainer.policy.logprobs(batch.seqs, 1.0)
+    for lp, lp1, behav, m in zip(got, flat, batch.behav, batch.mask, strict=True):
+        assert torch.allclose(lp[m > 0], behav[m > 0], atol=1e-4)
+        assert not torch.allclose(lp1[m > 0], behav[m > 0], atol=1e-3)
+
+
 async def test_gate_eta0_admits_one_batch_per_version_and_eta2_three():
     gate = StalenessGate(batch_size=2, eta=0)
     await gate.acquire()
