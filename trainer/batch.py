@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from areal_agents.trajectory import Episode
+from areal_agents.trajectory import Completion, Episode
 
 from .advantage import completion_returns
 from .algorithms import AlgorithmSpec, OverlongSpec
@@ -74,7 +74,7 @@ def build_batch(
     out = Batch([], [], [], [], [], [], [], gae=GaeInputs() if spec.needs_critic else None)
     merged = eligible = 0
     for ep in episodes:
-        temp_of = {c.id: float(c.sampling.get("temperature", temperature)) for c in ep.completions}
+        temp_of = {c.id: _sampled_at(c, temperature) for c in ep.completions}
         samples, merges = ep.samples(gamma)
         merged += sum(1 for m in merges if m["merged"])
         eligible += sum(1 for m in merges if m["reason"] != "root")
@@ -114,6 +114,12 @@ def build_batch(
         **overlong,
     }
     return out, stats
+
+
+def _sampled_at(c: Completion, default: float) -> float:
+    """The temperature ``c`` was sampled with (``default`` when it recorded none)."""
+    t = c.sampling.get("temperature")
+    return default if t is None else float(t)
 
 
 def split_batch(batch: Batch, n: int, spec: AlgorithmSpec, max_tokens: int) -> list[Batch]:

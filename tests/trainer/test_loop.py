@@ -107,6 +107,11 @@ def test_each_token_is_scored_at_the_temperature_it_was_sampled_with(policy):
         got = policy.logprobs(seqs, temps, budget)
         for g, w in zip(got, want, strict=True):
             assert torch.allclose(g, w, atol=1e-5)
+    needed = [torch.zeros(len(s) - 1) for s in seqs]
+    for m in needed:
+        m[8:13] = 1  # logits only over a window (across seq 0's two temperatures)
+    for g, w, m in zip(policy.logprobs(seqs, temps, 4096, needed), want, needed, strict=True):
+        assert torch.allclose(g[m > 0], w[m > 0], atol=1e-5)
     assert not torch.allclose(policy.logprobs(seqs, 1.0)[0], want[0], atol=1e-3)
 
     seen = {}
