@@ -13,7 +13,8 @@ import pytest
 def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
     ray = pytest.importorskip("ray", reason="the Ray tests need: pip install 'areal-agents[ray]'")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ray.init(num_cpus=2, log_to_driver=False, logging_level="warning")
+    # address="local": always a cluster of its own, never one a killed run left behind
+    ray.init(address="local", num_cpus=2, log_to_driver=False, logging_level="warning")
     # Test modules are not importable by name from the workers: ship their code by value.
     ray.cloudpickle.register_pickle_by_value(request.module)
     try:
