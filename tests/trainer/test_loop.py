@@ -32,6 +32,26 @@ def policy(tiny_model_dir: Path) -> Policy:
     return Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
 
 
+def register_parity_env() -> None:
+    """``test/Parity-v0``: one turn; the reward depends on the sampled text (its length's
+    parity), so a group's advantages are not all 0."""
+    import envs
+    from envs.base import AgentEnv
+
+    class Parity(AgentEnv):
+        def _start(self, options):
+            return [{"role": "user", "content": "Say something."}], {"task_id": "parity"}
+
+        def tools(self):
+            return []
+
+        def _respond(self, message):
+            reward = float(len(message.get("content") or "") % 2)
+            return [], reward, True, {"success": reward > 0}
+
+    envs.register("test/Parity-v0", Parity, description="reply length parity", override=True)
+
+
 def test_pack_fills_budget_without_splitting():
     bins = pack([5, 3, 8, 2, 9], max_tokens=10)
     assert sorted(i for b in bins for i in b) == [0, 1, 2, 3, 4]
@@ -130,25 +150,13 @@ def test_sampled_logprobs_match_the_trainers_at_each_calls_temperature(tiny_mode
     """Episodes whose calls chose their own temperature (0.5 and 1.6, while the config says
     1.0): the batch scores each token at its call's temperature, so the trainer's logprobs
     under the sampling weights equal the engine's (ratio 1 on fresh data)."""
-    import envs
-    from envs.base import AgentEnv
     from trainer.loop import Trainer
 
-    class Chat(AgentEnv):
-        def _start(self, options):
-            return [{"role": "user", "content": "Say something."}], {"task_id": "chat"}
-
-        def tools(self):
-            return []
-
-        def _respond(self, message):
-            return [], float(len(message.get("content") or "") % 2), True, {}
-
-    envs.register("test/Chat-v0", Chat, description="one free reply", override=True)
+    register_parity_env()
     cfg = load_config(
         None,
         [
-            "env.id=test/Chat-v0",
+            "env.id=test/Parity-v0",
             f"model.path={tiny_model_dir}",
             "model.dtype=float32",
             "rollout.group_size=3",
@@ -526,24 +534,9 @@ def test_kill_9_then_resume_loses_and_repeats_no_group(tiny_model_dir, tmp_path)
 def test_eta0_async_loop_equals_a_synchronous_step(tiny_model_dir, tmp_path):
     """With max_head_offpolicyness = 0 the loop is the synchronous baseline: the same groups,
     all sampled by version 0, and the same update as generating first and then training."""
-    import envs
-    from envs.base import AgentEnv
     from trainer.loop import Trainer
 
-    class Parity(AgentEnv):
-        """One turn; the reward depends on the sampled text, so advantages are not all 0."""
-
-        def _start(self, options):
-            return [{"role": "user", "content": "Say something."}], {"task_id": "parity"}
-
-        def tools(self):
-            return []
-
-        def _respond(self, message):
-            reward = float(len(message.get("content") or "") % 2)
-            return [], reward, True, {"success": reward > 0}
-
-    envs.register("test/Parity-v0", Parity, description="reply length parity", override=True)
+    register_parity_env()
 
     def cfg_for(out: Path):
         return load_config(
