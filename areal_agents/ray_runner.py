@@ -192,6 +192,7 @@ class RayRunner:
         max_turns: int = 16,
         episode_timeout_s: float = 600.0,
         sampling: dict[str, Any] | None = None,
+        sampling_by_kind: dict[str, dict[str, Any]] | None = None,
         step_in_thread: bool = True,
         worker_cpus: float = 0.5,
         max_restarts: int = 3,
@@ -215,6 +216,7 @@ class RayRunner:
             "max_turns": max_turns,
             "episode_timeout_s": episode_timeout_s,
             "sampling": dict(sampling or {}),
+            "sampling_by_kind": dict(sampling_by_kind or {}),
             "step_in_thread": step_in_thread,
         }
         actor: Any = ray.remote(RolloutWorker).options(

@@ -92,6 +92,12 @@ class Runner:
     ``base_url`` (the proxy's HTTP ``/v1`` URL) is needed only for agent-driven episodes, since
     agents talk HTTP; env-driven episodes call the proxy in-process (the same code path as
     ``POST /v1/chat/completions``, without a socket).
+
+    ``sampling`` (temperature, top_p, top_k, max_tokens) goes into every env-driven model
+    call; ``sampling_by_kind`` overrides it per task kind, matched against the ``kind`` of
+    the env's reset info (``{"arithmetic": {"temperature": 1.0}}``). Each completion records
+    the sampling it was made with, which the trainer scores it at. Agent-driven episodes
+    sample as the agent asks.
     """
 
     def __init__(
@@ -103,6 +109,7 @@ class Runner:
         max_turns: int = 16,
         episode_timeout_s: float = 600.0,
         sampling: dict[str, Any] | None = None,
+        sampling_by_kind: dict[str, dict[str, Any]] | None = None,
         step_in_thread: bool = True,
     ) -> None:
         if concurrency < 1:
@@ -112,6 +119,7 @@ class Runner:
         self.max_turns = max_turns
         self.episode_timeout_s = episode_timeout_s
         self.sampling = dict(sampling or {})
+        self.sampling_by_kind = {k: dict(v) for k, v in (sampling_by_kind or {}).items()}
         self.step_in_thread = step_in_thread
         self._slots = asyncio.Semaphore(concurrency)
 
@@ -226,11 +234,12 @@ class Runner:
         obs, info = await self._reset(env, session, seed, options, state)
         messages = list(obs)
         tools = info.get("tools") or None
+        sampling = {**self.sampling, **self.sampling_by_kind.get(str(info.get("kind")), {})}
         for turn in range(self.max_turns):
             body: dict[str, Any] = {
                 "model": self.proxy.model_name,
                 "messages": messages,
-                **self.sampling,
+                **sampling,
             }
             if state["sampling_seed"] is not None:
                 body["seed"] = state["sampling_seed"] * 1000 + turn

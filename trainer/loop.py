@@ -179,6 +179,7 @@ class Trainer:
             "top_k": s.top_k,
             "max_tokens": s.max_new_tokens,
         }
+        by_kind = {kind: dict(values) for kind, values in s.by_kind.items()}
         if cfg.scheduler == "local":
             self.engine = EmbeddedEngine.from_pretrained(
                 self.model_path,
@@ -195,9 +196,12 @@ class Trainer:
                 max_turns=cfg.rollout.max_turns,
                 episode_timeout_s=cfg.rollout.episode_timeout_s or 1e9,
                 sampling=sampling,
+                sampling_by_kind=by_kind,
             )
         else:  # scheduler: ray (see _ray_rollout)
-            self.engine, self.runner = _ray_rollout(cfg, self.model_path, engine_dtype, sampling)
+            self.engine, self.runner = _ray_rollout(
+                cfg, self.model_path, engine_dtype, sampling, by_kind
+            )
         kwargs = dict(cfg.env.kwargs)
         probe = make(cfg.env.id, **kwargs)
         if "split" in inspect.signature(type(probe.unwrapped).__init__).parameters:
@@ -632,7 +636,11 @@ def _truncate_ledger(path: Path, step: int) -> None:
 
 # ---------------------------------------------------------------------------- scheduler: ray
 def _ray_rollout(
-    cfg: TrainConfig, model_path: str, engine_dtype: str, sampling: dict[str, Any]
+    cfg: TrainConfig,
+    model_path: str,
+    engine_dtype: str,
+    sampling: dict[str, Any],
+    by_kind: dict[str, dict[str, Any]],
 ) -> tuple[Any, Any]:
     """``scheduler: ray``: the engine and the episodes run as Ray actors
     (:mod:`areal_agents.cluster`, :mod:`areal_agents.ray_runner`) while the policy trains in
@@ -660,6 +668,7 @@ def _ray_rollout(
         max_turns=cfg.rollout.max_turns,
         episode_timeout_s=cfg.rollout.episode_timeout_s or 1e9,
         sampling=sampling,
+        sampling_by_kind=by_kind,
     )
     return engine, runner
 

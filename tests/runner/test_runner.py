@@ -218,3 +218,31 @@ async def test_evaluation_tasks_are_distinct_pool_entries(tok):
     assert len(set(forty[24:])) == 16
     # an env with no fixed pool: seeds pick the tasks
     assert task_indices(lambda: _FlakyToolEnv(0), 4, 0) is None
+
+
+async def test_sampling_by_kind_overrides_per_task_kind(tok):
+    seen: list[float] = []
+
+    def script(prompt_ids, params):
+        seen.append(params.temperature)
+        return solver(tok)(prompt_ids, params)
+
+    runner = Runner(
+        Proxy(FakeEngine(script), tok),
+        sampling={"temperature": 0.7, "max_tokens": 64},
+        sampling_by_kind={"arithmetic": {"temperature": 1.0}},
+    )
+
+    def make():
+        return CalculatorEnv(split="test", kind="mixed", word_fraction=0.5)
+
+    results = [await runner.run_episode(make, seed=s) for s in range(8)]
+    kinds = {r.info["task"]["kind"] for r in results}
+    assert kinds == {"arithmetic", "word"}  # both kinds drawn
+    for r in results:
+        want = 1.0 if r.info["task"]["kind"] == "arithmetic" else 0.7
+        assert r.episode.completions, r.error
+        assert [c.sampling["temperature"] for c in r.episode.completions] == [want] * len(
+            r.episode.completions
+        )
+    assert sorted(set(seen)) == [0.7, 1.0]  # what the engine was asked for

@@ -37,7 +37,9 @@ model:
   activation_checkpointing: true
   max_context: 4096
 algorithm: dapo
-sampling: {temperature: 0.8, top_p: 0.95, top_k: 50, max_new_tokens: 256}
+sampling:
+  {temperature: 0.8, top_p: 0.95, top_k: 50, max_new_tokens: 256,
+   by_kind: {word: {temperature: 0.7}}}
 rollout:
   group_size: 4
   batch_size: 2
@@ -121,6 +123,7 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
     assert cfg.model.activation_checkpointing is True and cfg.model.max_context == 4096
     assert cfg.algorithm == "dapo" and cfg.scheduler == "ray"
     assert cfg.sampling.top_k == 50 and cfg.sampling.temperature == 0.8
+    assert cfg.sampling.by_kind == {"word": {"temperature": 0.7}}
     assert cfg.rollout.episode_timeout_s is None and cfg.rollout.gamma == 0.9
     assert cfg.optim.lr == 2e-6 and isinstance(cfg.optim.lr, float)  # '2e-6' is a float
     assert cfg.optim.betas == (0.9, 0.95) and cfg.optim.grad_clip is None
@@ -259,6 +262,25 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     assert "optim.lr: must be > 0, got 0.0" in problems
     assert "rollout.gamma: must be in [0, 1], got 1.5" in problems
     assert all(p in str(info.value) for p in problems)  # the message lists them too
+
+
+def test_sampling_by_kind_values_are_checked(tmp_path: Path) -> None:
+    problems = problems_of(
+        None,
+        [
+            "env.id=x",
+            "sampling.by_kind={word: {temperature: 0, top_k: 2.5}, math: {temprature: 1.0}, x: 3}",
+        ],
+    )
+    assert sorted(problems) == [
+        "sampling.by_kind.math.temprature: must be one of temperature, top_p, top_k "
+        "(unknown key), got 1.0",
+        "sampling.by_kind.word.temperature: must be > 0 for training, got 0",
+        "sampling.by_kind.word.top_k: must be an integer >= 0 (0 disables), got 2.5",
+        "sampling.by_kind.x: expected a mapping such as {temperature: 1.0}",
+    ]
+    ok = load_config(None, ["env.id=x", "sampling.by_kind={word: {temperature: 0.7, top_k: 5}}"])
+    assert ok.sampling.by_kind == {"word": {"temperature": 0.7, "top_k": 5}}
 
 
 def test_type_errors_name_the_key_and_both_types(tmp_path: Path) -> None:

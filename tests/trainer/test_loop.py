@@ -161,12 +161,14 @@ def test_sampled_logprobs_match_the_trainers_at_each_calls_temperature(tiny_mode
             "model.dtype=float32",
             "rollout.group_size=3",
             "sampling.max_new_tokens=12",
+            "sampling.by_kind={other: {temperature: 0.3}}",  # a kind this env never has
             "metrics.tensorboard=false",
             f"train.output_dir={tmp_path}",
         ],
     )
     trainer = Trainer(cfg, quiet=True)
     trainer._build()
+    assert trainer.runner.sampling_by_kind == {"other": {"temperature": 0.3}}
 
     async def sample() -> list:
         episodes = []
