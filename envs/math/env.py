@@ -50,6 +50,7 @@ episode with ``wrong_reward`` and ``info["reason"] = "no_tool_call"``.
 
 from __future__ import annotations
 
+import difflib
 import json
 import random
 import re
@@ -59,7 +60,7 @@ from typing import Any, Literal
 
 from envs.base import AgentEnv, Message
 from envs.math.answer import answers_match, extract_answer
-from envs.math.generator import generate_task
+from envs.math.generator import ARITHMETIC_SHAPES, generate_task
 from envs.math.tasks import MathTask, TaskPool, cached_pool, load_jsonl, reasoning_gym_pool
 from tools.calculator import calculator
 from tools.tool import Tool
@@ -285,17 +286,27 @@ class MathEnv(_AnswerEnv):
         return [calculator, extra]
 
 
-def calculator_pool(kind: str, split: str, num_tasks: int, word_fraction: float) -> TaskPool:
+def calculator_pool(
+    kind: str,
+    split: str,
+    num_tasks: int,
+    word_fraction: float,
+    shape_weights: Mapping[str, float] | None = None,
+) -> TaskPool:
     """The (cached) pool of generated calculator tasks."""
+    weights = dict(shape_weights or {})
 
     def build() -> TaskPool:
         return TaskPool(
-            lambda j: generate_task(kind, j, word_fraction=word_fraction),
+            lambda j: generate_task(
+                kind, j, word_fraction=word_fraction, shape_weights=weights or None
+            ),
             split,  # type: ignore[arg-type]
             num_tasks,
         )
 
-    return cached_pool(("calculator", kind, split, num_tasks, word_fraction), build)
+    key = ("calculator", kind, split, num_tasks, word_fraction, tuple(sorted(weights.items())))
+    return cached_pool(key, build)
 
 
 class CalculatorEnv(_AnswerEnv):
@@ -316,6 +327,10 @@ class CalculatorEnv(_AnswerEnv):
             when it uses exactly the question's numbers (module docstring) [0.0].
         grounded_ops_reward: Extra credit c_ops for that call when it also uses the
             operators of the task's solution (module docstring) [0.0].
+        shape_weights: Relative weights of the arithmetic solution shapes
+            (:data:`~envs.math.generator.ARITHMETIC_SHAPES`; unnamed ones weigh 1), e.g.
+            ``{"(a+b)*c": 3, "(a-b)*c": 3}`` to train more on the parenthesized ones. The split
+            is by question text, so a reweighted pool never holds a test question [uniform].
         feedback: Reply to a wrong answer when ``max_attempts > 1``.
         system_prompt: The system message.
     """
@@ -345,9 +360,22 @@ class CalculatorEnv(_AnswerEnv):
         tool_call_reward: float = 0.0,
         grounded_call_reward: float = 0.0,
         grounded_ops_reward: float = 0.0,
+        shape_weights: Mapping[str, float] | None = None,
         feedback: str = WRONG_FEEDBACK,
         system_prompt: str = CALCULATOR_SYSTEM_PROMPT,
     ) -> None:
+        for shape, weight in (shape_weights or {}).items():
+            if shape not in ARITHMETIC_SHAPES:
+                near = difflib.get_close_matches(str(shape), ARITHMETIC_SHAPES, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ValueError(
+                    f"shape_weights: unknown shape {shape!r}{hint} "
+                    f"(shapes: {', '.join(ARITHMETIC_SHAPES)})"
+                )
+            if not isinstance(weight, int | float) or isinstance(weight, bool) or weight < 0:
+                raise ValueError(f"shape_weights[{shape!r}] must be a number >= 0, got {weight!r}")
+        if shape_weights and not any(shape_weights.get(s, 1.0) > 0 for s in ARITHMETIC_SHAPES):
+            raise ValueError("shape_weights: at least one shape needs a weight > 0")
         for name, value in (
             ("grounded_call_reward", grounded_call_reward),
             ("grounded_ops_reward", grounded_ops_reward),
@@ -356,7 +384,7 @@ class CalculatorEnv(_AnswerEnv):
                 raise ValueError(f"{name} must be >= 0, got {value}")
         size = num_tasks or DEFAULT_NUM_TASKS[split]
         super().__init__(
-            calculator_pool(kind, split, size, word_fraction),
+            calculator_pool(kind, split, size, word_fraction, shape_weights),
             system_prompt=system_prompt,
             max_turns=max_turns,
             max_attempts=max_attempts,

@@ -17,12 +17,18 @@ hashed with SHA-512 by :mod:`random`, so the stream is the same in every process
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from envs.math.tasks import MathTask
 from tools.calculator import evaluate, format_number
 
-__all__ = ["ARITHMETIC_PHRASES", "generate_task", "make_arithmetic", "make_word_problem"]
+__all__ = [
+    "ARITHMETIC_PHRASES",
+    "ARITHMETIC_SHAPES",
+    "generate_task",
+    "make_arithmetic",
+    "make_word_problem",
+]
 
 ARITHMETIC_PHRASES = ("What is {e}?", "Calculate {e}.", "Compute {e}.", "Evaluate {e}.")
 _NAMES = (
@@ -65,23 +71,34 @@ _ITEMS = (
 Template = Callable[[random.Random, str, str], tuple[str, str]]
 
 
-def make_arithmetic(rng: random.Random) -> tuple[str, str]:
-    """A plain arithmetic question and its expression, e.g. ("What is 37 * 12 + 5?", ...)."""
-    shape = rng.choice(
-        (
-            "a+b",
-            "a-b",
-            "a*b",
-            "a/b",
-            "a*b+c",
-            "a*b-c",
-            "a+b*c",
-            "a-b*c",
-            "(a+b)*c",
-            "a+b-c",
-            "(a-b)*c",
-        )
-    )
+ARITHMETIC_SHAPES = (
+    "a+b",
+    "a-b",
+    "a*b",
+    "a/b",
+    "a*b+c",
+    "a*b-c",
+    "a+b*c",
+    "a-b*c",
+    "(a+b)*c",
+    "a+b-c",
+    "(a-b)*c",
+)
+"""The solution shapes of the arithmetic questions (drawn uniformly by default)."""
+
+
+def make_arithmetic(
+    rng: random.Random, shape_weights: Mapping[str, float] | None = None
+) -> tuple[str, str]:
+    """A plain arithmetic question and its expression, e.g. ("What is 37 * 12 + 5?", ...).
+
+    ``shape_weights`` reweights the shapes of :data:`ARITHMETIC_SHAPES` (those not named
+    weigh 1), e.g. ``{"(a+b)*c": 3}`` for three times as many of that shape."""
+    if shape_weights:
+        weights = [float(shape_weights.get(s, 1.0)) for s in ARITHMETIC_SHAPES]
+        shape = rng.choices(ARITHMETIC_SHAPES, weights)[0]
+    else:
+        shape = rng.choice(ARITHMETIC_SHAPES)
     a, b, c = rng.randint(10, 999), rng.randint(10, 999), rng.randint(2, 99)
     if "*" in shape:
         b = rng.randint(2, 99)
@@ -189,14 +206,21 @@ def make_word_problem(rng: random.Random) -> tuple[str, str]:
     return template(rng, rng.choice(_NAMES), rng.choice(_ITEMS))
 
 
-def generate_task(mode: str, position: int, *, word_fraction: float = 0.5) -> MathTask:
+def generate_task(
+    mode: str,
+    position: int,
+    *,
+    word_fraction: float = 0.5,
+    shape_weights: Mapping[str, float] | None = None,
+) -> MathTask:
     """Candidate ``position`` of the stream for ``mode`` (``"arithmetic"``, ``"word"`` or
-    ``"mixed"``: word problems with probability ``word_fraction``)."""
+    ``"mixed"``: word problems with probability ``word_fraction``); ``shape_weights``: see
+    :func:`make_arithmetic`."""
     if mode not in ("arithmetic", "word", "mixed"):
         raise ValueError(f"kind must be 'arithmetic', 'word' or 'mixed', got {mode!r}")
     rng = random.Random(f"{mode}:{word_fraction}:{position}")
     word = mode == "word" or (mode == "mixed" and rng.random() < word_fraction)
-    question, expression = make_word_problem(rng) if word else make_arithmetic(rng)
+    question, expression = make_word_problem(rng) if word else make_arithmetic(rng, shape_weights)
     return MathTask(
         task_id=f"calc-{mode}-{position}",
         question=question,

@@ -20,6 +20,7 @@ from envs.math import (
     load_jsonl,
     split_of,
 )
+from envs.math.generator import ARITHMETIC_SHAPES
 from tools import function_tool
 
 
@@ -235,6 +236,38 @@ def test_calculator_env_mixes_kinds_and_few_shot_adds_worked_examples():
     assert roles == ["system"] + ["user", "assistant", "tool", "assistant"] * 2 + ["user"]
     assert obs[2]["tool_calls"][0]["function"]["name"] == "calculator"
     assert all(split_of(m["content"]) == "train" for m in obs if m["role"] == "user")
+
+
+def test_shape_weights_reweight_the_arithmetic_shapes_of_the_training_pool():
+    def share_parenthesized(env: CalculatorEnv) -> float:
+        tasks = [env.pool[i] for i in range(600)]
+        return sum("(" in t.expression for t in tasks) / len(tasks)
+
+    plain = CalculatorEnv(kind="arithmetic")
+    weighted = CalculatorEnv(kind="arithmetic", shape_weights={"(a+b)*c": 3, "(a-b)*c": 3})
+    assert 0.12 < share_parenthesized(plain) < 0.25  # 2 shapes of 11
+    assert 0.33 < share_parenthesized(weighted) < 0.47  # 6 of 15
+    assert all(split_of(weighted.pool[i].question) == "train" for i in range(600))
+    only_sums = CalculatorEnv(
+        kind="arithmetic", shape_weights=dict.fromkeys(ARITHMETIC_SHAPES, 0) | {"a+b": 1}
+    )
+    assert all(re.fullmatch(r"\d+ \+ \d+", only_sums.pool[i].expression) for i in range(50))
+    # no weights: the stream the held-out numbers were measured on, unchanged
+    env = CalculatorEnv(split="test")
+    assert [env.reset(seed=s)[1]["task_id"] for s in range(3)] == [
+        "calc-mixed-2020",
+        "calc-mixed-1138",
+        "calc-mixed-1998",
+    ]
+    assert env.task.question.startswith("Nora buys 8 packs of stickers with 7 stickers")
+    with pytest.raises(
+        ValueError, match=r"unknown shape '\(a\+b\)\*d'; did you mean '\(a\+b\)\*c'"
+    ):
+        CalculatorEnv(shape_weights={"(a+b)*d": 2})
+    with pytest.raises(ValueError, match="at least one shape needs a weight > 0"):
+        CalculatorEnv(shape_weights=dict.fromkeys(ARITHMETIC_SHAPES, 0))
+    with pytest.raises(ValueError, match="must be a number >= 0"):
+        CalculatorEnv(shape_weights={"a+b": -1})
 
 
 def test_demos_are_correct_deterministic_train_only_conversations():
