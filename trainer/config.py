@@ -349,8 +349,8 @@ class RunConfig(_Checked):
     """Checkpoint every this many steps (and at the end); 0 = only at the end."""
     time_limit_min: float | None = None
     """Wall-clock budget in minutes (warm start included, summed over resumes): the run stops
-    after the last step expected to end within it (the next step, as long as the mean of the
-    last three, would overrun it), then writes a checkpoint and the final model; None = no
+    after the last step expected to end within it (the next step, as long as the longest
+    of the last four, would overrun it), then writes a checkpoint and the final model; None = no
     limit, run ``steps`` steps."""
     resume: bool = False
     """Continue from the latest checkpoint in output_dir."""

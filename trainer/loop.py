@@ -381,7 +381,7 @@ class Trainer:
             file=sys.stderr,
         )
         summary: dict[str, Any] = {}
-        recent: deque[float] = deque(maxlen=3)  # step durations, s
+        recent: deque[float] = deque(maxlen=4)  # step durations, s
         try:
             while st.step < cfg.train.steps:
                 t0 = time.perf_counter()
@@ -589,13 +589,15 @@ def policy_updates(
 
 def out_of_time_budget(elapsed_s: float, recent_steps_s: list[float], limit_s: float) -> bool:
     """Whether to stop before another step: the budget is spent, or the next step, taking as
-    long as the mean of the recent ones, would end after it (so the last checkpoint falls
-    inside ``train.time_limit_min`` rather than one step past it)."""
+    long as the longest of the recent ones, would end after it (so the last checkpoint falls
+    inside ``train.time_limit_min`` rather than one step past it). The longest, not the mean:
+    RL step times are heavy-tailed (a step waits for enough non-uniform groups), and a budget
+    is a bound, so the estimate errs on the side of one step fewer."""
     if elapsed_s >= limit_s:
         return True
     if not recent_steps_s:
         return False
-    return elapsed_s + sum(recent_steps_s) / len(recent_steps_s) > limit_s
+    return elapsed_s + max(recent_steps_s) > limit_s
 
 
 def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:

@@ -736,11 +736,13 @@ def test_kl_penalty_uses_the_starting_weights_as_reference(tiny_model_dir, lora)
 
 
 def test_time_budget_stops_before_a_step_that_would_overrun() -> None:
-    # 30-minute budget; the last three steps took 50, 60 and 70 s (mean 60 s).
-    recent = [50.0, 60.0, 70.0]
-    assert not out_of_time_budget(1700.0, recent, 1800.0)  # 1700 + 60 = 1760 <= 1800
-    assert not out_of_time_budget(1740.0, recent, 1800.0)  # ends exactly at the limit
-    assert out_of_time_budget(1741.0, recent, 1800.0)  # would end at 1801 s
+    # 30-minute budget; the recent steps took 50, 70 and 60 s: the next is taken to last as
+    # long as the longest, 70 s (the mean, 60 s, let a slow step end past the budget).
+    recent = [50.0, 70.0, 60.0]
+    assert not out_of_time_budget(1700.0, recent, 1800.0)  # 1700 + 70 = 1770 <= 1800
+    assert not out_of_time_budget(1730.0, recent, 1800.0)  # ends exactly at the limit
+    assert out_of_time_budget(1731.0, recent, 1800.0)  # would end at 1801 s
+    assert out_of_time_budget(1735.0, recent, 1800.0)  # the mean (1795 s) would have gone on
     assert out_of_time_budget(1800.0, [], 1800.0)  # spent, whatever the step time
     assert not out_of_time_budget(10.0, [], 1800.0)  # no step measured yet
 
