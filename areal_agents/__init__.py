@@ -1,6 +1,7 @@
 """areal-agents: an agent-environment gym and asynchronous RL SDK for tool-using LLM agents.
 
-The public API. Importing it is cheap and never imports torch: the embedded engine (which
+The public API. Importing it is cheap: every name loads its submodule on first use, so
+``import areal_agents`` imports neither torch nor fastapi, and the embedded engine (which
 needs torch) loads on first use of ``areal_agents.EmbeddedEngine``.
 
 Example::
@@ -18,41 +19,83 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from .chat import ChatTokenizer
-from .engine import Engine, GenerateResult, SamplingParams, WeightUpdate
-from .errors import (
-    ArealError,
-    BackendError,
-    ConfigError,
-    ContextOverflow,
-    EnvError,
-    EnvNotFound,
-    EpisodeTimeout,
-    ModelBehaviorError,
-    ModelNotFound,
-    RolloutError,
-    SessionError,
-    ToolCallParseError,
-    ToolError,
-    UserError,
-)
-from .fake_engine import FakeEngine
-from .model import DEFAULT_MODEL, resolve_model
-from .proxy import Proxy
-from .router import RoutedEngine
-from .server import ProxyServer
-from .session import Session, SessionStore
-from .sglang_engine import SGLangEngine
-from .toolcall import ParsedOutput, parse_tool_calls
-from .trajectory import Completion, Episode, TrainingSample
-from .vllm_engine import VLLMEngine
-
 if TYPE_CHECKING:
+    from .chat import ChatTokenizer
     from .embedded import EmbeddedEngine
+    from .engine import Engine, GenerateResult, SamplingParams, WeightUpdate
+    from .errors import (
+        ArealError,
+        BackendError,
+        ConfigError,
+        ContextOverflow,
+        EnvError,
+        EnvNotFound,
+        EpisodeTimeout,
+        ModelBehaviorError,
+        ModelNotFound,
+        RolloutError,
+        SessionError,
+        ToolCallParseError,
+        ToolError,
+        UserError,
+    )
+    from .fake_engine import FakeEngine
+    from .model import DEFAULT_MODEL, resolve_model
+    from .proxy import Proxy
+    from .router import RoutedEngine
+    from .server import ProxyServer
+    from .session import Session, SessionStore
+    from .sglang_engine import SGLangEngine
+    from .toolcall import ParsedOutput, parse_tool_calls
+    from .trajectory import Completion, Episode, TrainingSample
+    from .vllm_engine import VLLMEngine
 
 __version__ = "0.1.0"
+
+# Every public name and the submodule it lives in: imported on first access (PEP 562), so
+# ``import areal_agents.client`` (a worker without torch or fastapi) loads none of the rest.
+_LAZY: dict[str, str] = {
+    "ChatTokenizer": "chat",
+    "EmbeddedEngine": "embedded",
+    **dict.fromkeys(("Engine", "GenerateResult", "SamplingParams", "WeightUpdate"), "engine"),
+    **dict.fromkeys(
+        (
+            "ArealError",
+            "BackendError",
+            "ConfigError",
+            "ContextOverflow",
+            "EnvError",
+            "EnvNotFound",
+            "EpisodeTimeout",
+            "ModelBehaviorError",
+            "ModelNotFound",
+            "RolloutError",
+            "SessionError",
+            "ToolCallParseError",
+            "ToolError",
+            "UserError",
+        ),
+        "errors",
+    ),
+    "FakeEngine": "fake_engine",
+    "DEFAULT_MODEL": "model",
+    "resolve_model": "model",
+    "Proxy": "proxy",
+    "RoutedEngine": "router",
+    "ProxyServer": "server",
+    "Session": "session",
+    "SessionStore": "session",
+    "SGLangEngine": "sglang_engine",
+    "ParsedOutput": "toolcall",
+    "parse_tool_calls": "toolcall",
+    "Completion": "trajectory",
+    "Episode": "trajectory",
+    "TrainingSample": "trajectory",
+    "VLLMEngine": "vllm_engine",
+}
 
 
 def make(env_id: str, **kwargs: Any) -> Any:
@@ -70,11 +113,16 @@ def register(env_id: str, entry_point: Any, **kwargs: Any) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "EmbeddedEngine":
-        from .embedded import EmbeddedEngine
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'areal_agents' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later accesses skip __getattr__
+    return value
 
-        return EmbeddedEngine
-    raise AttributeError(f"module 'areal_agents' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [

@@ -16,7 +16,9 @@ episode, are recorded on it, counted, and never crash a batch::
         ├── BackendError          the inference engine or server failed
         ├── ContextOverflow       prompt + max tokens exceed the model's context
         ├── EnvError              the environment (or its user simulator) failed
-        └── EpisodeTimeout        the episode ran past its time limit
+        ├── EpisodeTimeout        the episode ran past its time limit
+        └── AgentLost             an agent in another process stopped answering (no
+                                  heartbeat, no result in time, or the worker hub closed)
 
 Every ``RolloutError`` has a short machine-readable ``kind`` used as the counted reason.
 """
@@ -88,7 +90,14 @@ class EpisodeTimeout(RolloutError):
     kind = "timeout"
 
 
+class AgentLost(RolloutError):
+    """A worker that took the episode's task stopped heartbeating or ran out of time."""
+
+    kind = "agent_lost"
+
+
 __all__ = [
+    "AgentLost",
     "ArealError",
     "BackendError",
     "ConfigError",

@@ -12,6 +12,7 @@ HTTP API::
     GET  /metrics                       call and error counters (no auth)
     GET  /v1/models                     the served model
     POST /v1/chat/completions           session key (recorded) or admin key (not recorded)
+    POST /v1/responses                  the Responses API, recorded the same way (responses.py)
     POST /sessions                      -> {id, api_key, base_url}; admin key if configured
     GET  /sessions/{id}                 summary;            session key or admin key
     POST /sessions/{id}/rewards         {value, completion_id | tool_call_id | final}
@@ -21,6 +22,14 @@ HTTP API::
 
 A wrong or missing key is a 401, another session's key a 403, an unknown session a 404, a
 malformed body a 400 whose message names the field; nothing a client sends produces a 500.
+
+Key permissions: with ``self_rewarding=True`` (the default, ``areal-agent serve``) a session's
+own key may also post rewards to, end and delete its session. With ``self_rewarding=False``
+(training, where the environment scores the episode) a session key may only call the model
+and read its session and trajectory; ``/rewards``, ``/end`` and ``DELETE`` then need the admin
+key or a privileged key (``privileged_keys``; the worker hub registers its token there), and a
+session key gets a 403 saying so, so an agent cannot post itself a reward. Privileged keys
+reach every session's endpoints, like the admin key, but do not call the model.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import json
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -102,10 +111,15 @@ class Proxy:
         model_name: str | None = None,
         public_url: str | None = None,
         default_max_tokens: int = 1024,
+        self_rewarding: bool = True,
+        privileged_keys: Iterable[str] = (),
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.admin_key = admin_key
+        self.self_rewarding = self_rewarding
+        self.privileged_keys: set[str] = {k for k in privileged_keys if k}
+        """Keys that may manage any session (rewards, end, delete), like the admin key."""
         self.model_name = model_name or engine.model_name
         self.public_url = public_url.rstrip("/") if public_url else None
         self.default_max_tokens = default_max_tokens
@@ -134,6 +148,7 @@ class Proxy:
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
         app.add_api_route("/sessions", self.create_session, methods=["POST"])
         app.add_api_route("/sessions/{session_id}", self.get_session, methods=["GET"])
         app.add_api_route("/sessions/{session_id}", self.delete_session, methods=["DELETE"])
@@ -152,7 +167,9 @@ class Proxy:
         return token.strip()
 
     def _is_admin(self, key: str | None) -> bool:
-        return bool(self.admin_key and key and hmac.compare_digest(key, self.admin_key))
+        return bool(
+            self.admin_key and key and hmac.compare_digest(key.encode(), self.admin_key.encode())
+        )
 
     def _model_caller(self, request: Request) -> Session | None:
         key = self._bearer(request)
@@ -174,7 +191,12 @@ class Proxy:
             )
         return session
 
-    def _session_for(self, request: Request, session_id: str) -> Session:
+    def _is_privileged(self, key: str) -> bool:
+        given = key.encode()
+        return any(hmac.compare_digest(given, k.encode()) for k in self.privileged_keys)
+
+    def _session_for(self, request: Request, session_id: str, *, manage: bool = False) -> Session:
+        """The session ``request`` may reach; ``manage``: rewards, end, delete."""
         key = self._bearer(request)
         if key is None:
             raise ApiError(
@@ -186,7 +208,18 @@ class Proxy:
             session = self.sessions.get(session_id)
         except SessionError as exc:
             raise ApiError(404, str(exc), kind="not_found_error") from None
-        if self._is_admin(key) or hmac.compare_digest(key, session.api_key):
+        if self._is_admin(key) or self._is_privileged(key):
+            return session
+        if hmac.compare_digest(key.encode(), session.api_key.encode()):
+            if manage and not self.self_rewarding:
+                raise ApiError(
+                    403,
+                    "rewards come from the environment in this run: a session key may call "
+                    "the model and read its session, but posting rewards, ending or deleting "
+                    "a session needs the admin key (or start the proxy with "
+                    "self_rewarding=True)",
+                    kind="permission_error",
+                )
             return session
         if self.sessions.by_key(key) is not None:
             raise ApiError(403, "this key belongs to another session", kind="permission_error")
@@ -232,12 +265,12 @@ class Proxy:
         }
 
     async def delete_session(self, session_id: str, request: Request) -> dict[str, Any]:
-        self._session_for(request, session_id)
+        self._session_for(request, session_id, manage=True)
         self.sessions.remove(session_id)
         return {"id": session_id, "deleted": True}
 
     async def add_reward(self, session_id: str, request: Request) -> dict[str, Any]:
-        session = self._session_for(request, session_id)
+        session = self._session_for(request, session_id, manage=True)
         body = await _parse(request, RewardIn)
         try:
             target = self.sessions.add_reward(
@@ -252,7 +285,7 @@ class Proxy:
         return {"session_id": session.id, "completion_id": target, "final": body.final}
 
     async def end_session(self, session_id: str, request: Request) -> dict[str, Any]:
-        session = self._session_for(request, session_id)
+        session = self._session_for(request, session_id, manage=True)
         body = await _parse(request, EndIn, allow_empty=True)
         self.sessions.end(
             session, final_reward=body.final_reward, reason=body.reason, error=body.error
@@ -276,6 +309,12 @@ class Proxy:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_sse(body, include_usage), media_type="text/event-stream")
         return JSONResponse(body)
+
+    async def responses(self, request: Request) -> Response:
+        from .responses import ResponsesRequest, respond  # responses.py builds on this module
+
+        session = self._model_caller(request)
+        return await respond(self, session, await _parse(request, ResponsesRequest))
 
     async def complete(
         self, session: Session | None, request: ChatCompletionRequest | dict[str, Any]

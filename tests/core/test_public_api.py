@@ -38,6 +38,22 @@ def test_proxy_envs_and_tools_never_import_torch():
     assert "transformers" not in loaded
 
 
+def test_public_names_load_lazily_and_dir_lists_them():
+    loaded = _modules_after("import areal_agents; print(sorted(dir(areal_agents)))")
+    assert not {"areal_agents.proxy", "fastapi", "tokenizers", "pydantic"} & loaded
+    assert set(areal_agents.__all__) <= set(dir(areal_agents))
+    assert areal_agents.Proxy is __import__("areal_agents.proxy").proxy.Proxy
+
+
+def test_the_worker_client_imports_no_heavy_module():
+    """A worker's environment has httpx and openai only (requirements/client.txt)."""
+    loaded = _modules_after("import areal_agents.client")
+    heavy = {"fastapi", "uvicorn", "starlette", "tokenizers", "transformers", "torch", "jinja2"}
+    ours = {"areal_agents.proxy", "areal_agents.schemas", "areal_agents.chat"}
+    assert not (heavy | ours | {"pydantic", "openai", "gymnasium", "numpy"}) & loaded
+    assert "httpx" in loaded
+
+
 def test_areal_agents_does_not_import_siblings_at_import_time():
     loaded = _modules_after("import areal_agents")
     assert not {"envs", "tools", "trainer"} & loaded

@@ -1,0 +1,539 @@
+"""The worker client: run an agent in its own process (venv, machine), fed by a trainer.
+
+The trainer serves the recording proxy and the worker API of :mod:`areal_agents.workers`.
+An :class:`AgentWorker` long-polls it for tasks, runs the agent on each one (up to
+``concurrency`` at once), heartbeats while the agent runs, and posts the final answer (or the
+exception text). The agent calls the model itself through the task's session, so every call
+is recorded on the episode, and calls the env's tools through the hub: ``task.tools`` are
+:class:`RemoteTool` objects with the interface of ``tools.tool.Tool`` (``name``,
+``description``, ``parameters``, ``schema``, ``await acall(arguments)``, ``call(arguments)``),
+so the agent code written for the in-process ``AgentTask`` runs here unchanged::
+
+    from areal_agents.client import AgentWorker
+
+    async def agent(task):                     # a WorkerTask
+        client = task.openai_client()          # openai.AsyncOpenAI on the session
+        reply = await client.chat.completions.create(
+            model=task.model, messages=task.messages, tools=[t.schema for t in task.tools]
+        )
+        ...                                    # await task.tools[0].acall(arguments)
+        return reply.choices[0].message.content
+
+    AgentWorker("http://trainer:8000", token).serve_sync(agent)
+
+or from the shell: ``areal-agent worker --connect URL --token T --agent module:factory``.
+
+An agent is an (async) callable taking a :class:`WorkerTask`, or an object with
+``async run(task)``; a plain function runs on a thread so that heartbeats go on. The worker
+keeps polling through connection errors (the trainer may restart) with backoff, honours the
+hub's ``429 Retry-After`` (no task: the trainer's staleness gate is full), stops an agent
+whose task the hub declared lost or withdrew, and raises :class:`WorkerError` only for what
+retrying cannot fix (a wrong token or URL).
+
+This module imports only the standard library and ``httpx`` (``openai`` when a worker starts
+serving, if it is installed), so a worker needs neither torch nor the proxy's dependencies::
+
+    pip install --no-deps areal-agents
+    pip install httpx openai
+
+(``requirements/make_venv.sh client DIR`` builds such an environment with pinned versions.)
+It sets ``OPENAI_AGENTS_DISABLE_TRACING=1`` when it starts serving: the Agents SDK's tracing
+exporter would otherwise send the session key to a public endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from .errors import ArealError, UserError
+
+__all__ = ["AgentWorker", "RemoteTool", "RemoteToolResult", "TaskGone", "WorkerError", "WorkerTask"]
+
+_log = logging.getLogger("areal_agents.client")
+_TRACING_ENV = "OPENAI_AGENTS_DISABLE_TRACING"
+_FIRST = asyncio.FIRST_COMPLETED
+_TOOL_TIMEOUT_S = 900.0  # a tool may run long (a sandbox); the hub counts it as alive
+
+
+class WorkerError(UserError):
+    """The trainer refused the worker in a way retrying cannot fix (token, URL)."""
+
+
+class TaskGone(ArealError):
+    """The hub no longer has this task (declared lost, withdrawn, or the trainer restarted)."""
+
+
+class _Stop(Protocol):
+    def is_set(self) -> bool: ...
+
+
+# ---------------------------------------------------------------------- the HTTP link
+class _Link:
+    """The worker's connection to the hub; usable from the worker's loop, other loops and
+    threads (the agent's tools may be called from any of them)."""
+
+    def __init__(self, url: str, token: str, timeout_s: float) -> None:
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.timeout_s = timeout_s
+        self.client: httpx.AsyncClient | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def post(
+        self, path: str, body: dict[str, Any], *, timeout_s: float | None = None
+    ) -> httpx.Response:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self.client is not None and _running_loop() is self.loop:
+            return await self.client.post(
+                self.url + path, json=body, headers=self.headers, timeout=timeout
+            )
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            return await client.post(self.url + path, json=body, headers=self.headers)
+
+    def post_sync(
+        self, path: str, body: dict[str, Any], *, timeout_s: float | None = None
+    ) -> httpx.Response:
+        with httpx.Client(timeout=self.timeout_s if timeout_s is None else timeout_s) as client:
+            return client.post(self.url + path, json=body, headers=self.headers)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _error_of(response: httpx.Response) -> tuple[str, str | None]:
+    """(message, code) of an OpenAI-format error response."""
+    try:
+        error = response.json().get("error") or {}
+        return str(error.get("message") or response.text), error.get("code")
+    except (ValueError, AttributeError):
+        return response.text or f"HTTP {response.status_code}", None
+
+
+# ---------------------------------------------------------------------- tasks and tools
+@dataclass(frozen=True)
+class RemoteToolResult:
+    """What a tool call returned (``tools.tool.ToolResult``'s fields)."""
+
+    content: str
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class RemoteTool:
+    """An env tool of one task, run by the hub (duck-types ``tools.tool.Tool``).
+
+    A model mistake (bad arguments, an unknown tool) is a result with ``error`` set, as with
+    a local tool; :class:`TaskGone` is raised when the task is over.
+    """
+
+    def __init__(self, schema: dict[str, Any], task_id: str, link: _Link) -> None:
+        function = schema.get("function") or {}
+        self.name: str = str(function.get("name", ""))
+        self.description: str = str(function.get("description") or "")
+        self.parameters: dict[str, Any] = dict(
+            function.get("parameters") or {"type": "object", "properties": {}}
+        )
+        self._schema = schema
+        self._path = f"/workers/tasks/{task_id}/tools/{self.name}"
+        self._link = link
+
+    def __repr__(self) -> str:
+        params = list(self.parameters.get("properties", {}))
+        return f"RemoteTool(name={self.name!r}, parameters={params})"
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI tool schema (as ``Tool.schema``)."""
+        return self._schema
+
+    async def acall(self, arguments: str | dict[str, Any] | None = None) -> RemoteToolResult:
+        """Run the tool on the model's arguments (a JSON string or a dict)."""
+        body = {"arguments": arguments}
+        delay = 0.5
+        for attempt in range(4):  # a request that was never sent is safe to repeat
+            try:
+                return self._result(
+                    await self._link.post(self._path, body, timeout_s=_TOOL_TIMEOUT_S)
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if attempt == 3:
+                    raise self._unreachable(exc) from None
+                await asyncio.sleep(delay)
+                delay *= 2
+            except httpx.TransportError as exc:
+                raise self._unreachable(exc) from None
+        raise AssertionError("unreachable")
+
+    def call(self, arguments: str | dict[str, Any] | None = None) -> RemoteToolResult:
+        """Blocking :meth:`acall`, for agents that call tools synchronously (from a thread)."""
+        try:
+            response = self._link.post_sync(
+                self._path, {"arguments": arguments}, timeout_s=_TOOL_TIMEOUT_S
+            )
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from None
+        return self._result(response)
+
+    def _unreachable(self, exc: Exception) -> TaskGone:
+        return TaskGone(f"tool {self.name!r}: the trainer did not answer ({exc!r})")
+
+    def _result(self, response: httpx.Response) -> RemoteToolResult:
+        if response.status_code == 200:
+            data = response.json()
+            return RemoteToolResult(str(data.get("content", "")), data.get("error"))
+        message, code = _error_of(response)
+        if code == "unknown_tool":
+            return RemoteToolResult(f"Error: {message}", "unknown_tool")
+        if response.status_code == 400:  # a body the hub cannot read: the model's arguments
+            return RemoteToolResult(f"Error: {message}", "bad_arguments")
+        raise TaskGone(message)
+
+
+@dataclass
+class WorkerTask:
+    """One episode's task, as a worker gets it (the fields of ``runner.AgentTask``)."""
+
+    id: str
+    """The hub's handle of this task (not the env's ``task_id``)."""
+    session_id: str
+    api_key: str
+    """The session's key: model calls with it are recorded on the episode."""
+    base_url: str
+    """The proxy's OpenAI ``/v1`` URL."""
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[RemoteTool]
+    task_id: str | None = None
+    group_id: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    """The env's reset info, without the tools."""
+    heartbeat_s: float = 10.0
+    episode_timeout_s: float | None = None
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.info
+
+    def openai_client(self, **kwargs: Any) -> Any:
+        """``openai.AsyncOpenAI`` on this task's session."""
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], link: _Link) -> WorkerTask:
+        session = data["session"]
+        return cls(
+            id=data["id"],
+            session_id=session["id"],
+            api_key=session["api_key"],
+            base_url=session["base_url"],
+            model=data.get("model") or "",
+            messages=list(data.get("messages") or []),
+            tools=[RemoteTool(s, data["id"], link) for s in data.get("tools") or []],
+            task_id=data.get("task_id"),
+            group_id=data.get("group_id"),
+            info=dict(data.get("metadata") or {}),
+            heartbeat_s=float(data.get("heartbeat_s") or 10.0),
+            episode_timeout_s=data.get("episode_timeout_s"),
+        )
+
+
+# ---------------------------------------------------------------------- the worker
+class AgentWorker:
+    """Pulls tasks from a trainer's worker API and runs an agent on them.
+
+    Args:
+        url: The trainer's proxy URL (``http://host:port``; a trailing ``/v1`` is dropped).
+        token: The worker token the trainer was started with.
+        concurrency: Tasks run at once.
+        wait_s: How long one poll waits for a task (the hub caps it).
+        worker_id: A name for the trainer's logs (default: host-pid-random).
+        request_timeout_s: Timeout of heartbeats, tool calls and results.
+        max_backoff_s: The longest pause between retries while the trainer is unreachable.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        concurrency: int = 1,
+        wait_s: float = 20.0,
+        worker_id: str | None = None,
+        request_timeout_s: float = 60.0,
+        max_backoff_s: float = 10.0,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if not token:
+            raise ValueError("AgentWorker needs the trainer's worker token")
+        url = url.rstrip("/")
+        self.url = url[: -len("/v1")] if url.endswith("/v1") else url
+        self.concurrency = concurrency
+        self.wait_s = wait_s
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.max_backoff_s = max_backoff_s
+        self.counters: Counter[str] = Counter()
+        """polls, polls_429, tasks, results, agent_errors, gone, connect_errors."""
+        self._link = _Link(self.url, token, request_timeout_s)
+
+    def serve_sync(
+        self, fn: Any, *, max_tasks: int | None = None, stop: _Stop | None = None
+    ) -> int:
+        """:meth:`serve` on a new event loop; returns the number of results posted."""
+        return asyncio.run(self.serve(fn, max_tasks=max_tasks, stop=stop))
+
+    async def serve(
+        self, fn: Any, *, max_tasks: int | None = None, stop: _Stop | None = None
+    ) -> int:
+        """Run tasks until ``stop.is_set()`` (a ``threading.Event`` or ``asyncio.Event``) or
+        ``max_tasks`` tasks were taken, then wait for the running ones; returns the number of
+        results posted. Raises :class:`WorkerError` for a wrong token or URL."""
+        os.environ.setdefault(_TRACING_ENV, "1")
+        _preload_openai()
+        run = getattr(fn, "run", fn)
+        if not callable(run):
+            raise TypeError(f"an agent is a callable or has run(task), got {type(fn).__name__}")
+        stopped = asyncio.Event()
+        watcher = asyncio.create_task(_watch(stop, stopped))
+        stop_wait = asyncio.create_task(stopped.wait())
+        running: set[asyncio.Task[bool]] = set()
+        taken, before = 0, self.counters["results"]
+        async with httpx.AsyncClient(timeout=self._link.timeout_s) as client:
+            self._link.client, self._link.loop = client, asyncio.get_running_loop()
+            try:
+                while not stopped.is_set() and (max_tasks is None or taken < max_tasks):
+                    if len(running) >= self.concurrency:
+                        await asyncio.wait({*running, stop_wait}, return_when=_FIRST)
+                        continue
+                    task = await self._next_or_stop(stop_wait)
+                    if task is None:
+                        continue
+                    taken += 1
+                    job = asyncio.create_task(self._run_task(run, task))
+                    running.add(job)
+                    job.add_done_callback(running.discard)
+                await asyncio.gather(*running)
+            except BaseException:
+                for job in running:
+                    job.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
+                raise
+            finally:
+                self._link.client = self._link.loop = None
+                for helper in (watcher, stop_wait):
+                    helper.cancel()
+                await asyncio.gather(watcher, stop_wait, return_exceptions=True)
+        return self.counters["results"] - before
+
+    # ------------------------------------------------------------------ polling
+    async def _next_or_stop(self, stop_wait: asyncio.Task[Any]) -> WorkerTask | None:
+        poll = asyncio.create_task(self._next_task())
+        try:
+            await asyncio.wait({poll, stop_wait}, return_when=_FIRST)
+        finally:  # stopped, or serve() itself cancelled: the poll ends with it
+            if not poll.done():
+                poll.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poll
+        if poll.cancelled():
+            return None
+        return poll.result()
+
+    async def _next_task(self) -> WorkerTask:
+        """The next task; retries until one comes (raises WorkerError if it never can)."""
+        backoff = 0.5
+        body = {"worker_id": self.worker_id, "wait_s": self.wait_s}
+        while True:
+            self.counters["polls"] += 1
+            try:
+                r = await self._link.post(
+                    "/workers/tasks/next", body, timeout_s=self.wait_s + self._link.timeout_s
+                )
+            except httpx.TransportError as exc:
+                self.counters["connect_errors"] += 1
+                _log.warning("cannot reach %s (%s); retrying in %.1f s", self.url, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+                continue
+            if r.status_code == 200:
+                task = WorkerTask.from_json(r.json(), self._link)
+                self.counters["tasks"] += 1
+                return task
+            message, _ = _error_of(r)
+            if r.status_code == 429:
+                self.counters["polls_429"] += 1
+                await asyncio.sleep(_retry_after(r, self.max_backoff_s))
+                backoff = 0.5
+            elif r.status_code in (401, 403):
+                raise WorkerError(f"the trainer at {self.url} refused the worker token: {message}")
+            elif r.status_code == 404:
+                raise WorkerError(
+                    f"{self.url} has no worker API (POST /workers/tasks/next answered 404): "
+                    "connect to the URL of the trainer's proxy"
+                )
+            elif r.status_code >= 500:
+                _log.warning("the trainer answered %s (%s); retrying", r.status_code, message)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+            else:
+                raise WorkerError(f"the trainer refused the poll ({r.status_code}): {message}")
+
+    # ------------------------------------------------------------------ one task
+    async def _run_task(self, run: Any, task: WorkerTask) -> bool:
+        """Run the agent on ``task`` with heartbeats; True when its result was accepted."""
+        work = asyncio.ensure_future(_call_agent(run, task))
+        beat = asyncio.create_task(self._heartbeats(task))
+        try:
+            await asyncio.wait({work, beat}, return_when=_FIRST)
+        except asyncio.CancelledError:
+            for t in (work, beat):
+                t.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(
+                    self._post(task, None, "the worker stopped before the agent finished"), 2.0
+                )
+            raise
+        if not work.done():  # the hub no longer has the task: stop the agent
+            self.counters["gone"] += 1
+            work.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await work
+            return False
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+        try:
+            answer = work.result()
+        except TaskGone as exc:
+            self.counters["gone"] += 1
+            _log.warning("task %s is over: %s", task.id, exc)
+            return False
+        except Exception as exc:
+            self.counters["agent_errors"] += 1
+            _log.warning("the agent raised on task %s: %r", task.id, exc)
+            return await self._post(task, None, f"{type(exc).__name__}: {exc}")
+        return await self._post(task, answer, None)
+
+    async def _heartbeats(self, task: WorkerTask) -> None:
+        """Heartbeat until cancelled; returns when the hub says the task is over."""
+        path = f"/workers/tasks/{task.id}/heartbeat"
+        while True:
+            await asyncio.sleep(task.heartbeat_s)
+            try:
+                r = await self._link.post(path, {})
+            except httpx.TransportError as exc:
+                _log.warning("heartbeat of task %s failed (%s)", task.id, exc)
+                continue
+            if r.status_code in (404, 409):
+                _log.warning("the hub stopped task %s: %s", task.id, _error_of(r)[0])
+                return
+
+    async def _post(self, task: WorkerTask, answer: str | None, error: str | None) -> bool:
+        """Post the result, retrying connection errors while the hub may still wait for it."""
+        path = f"/workers/tasks/{task.id}/result"
+        give_up = time.monotonic() + max(10.0, 3 * task.heartbeat_s)
+        backoff = 0.5
+        while True:
+            try:
+                r = await self._link.post(path, {"final_answer": answer, "error": error})
+            except httpx.TransportError as exc:
+                if time.monotonic() > give_up:
+                    _log.error("cannot post the result of task %s: %s", task.id, exc)
+                    return False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+                continue
+            if r.status_code == 200:
+                self.counters["results"] += 1
+                return True
+            _log.warning("the result of task %s was refused: %s", task.id, _error_of(r)[0])
+            return False
+
+
+# ---------------------------------------------------------------------- helpers
+async def _call_agent(run: Any, task: WorkerTask) -> str | None:
+    """Await an async agent; run a plain one on a thread (the loop keeps heartbeating)."""
+    if _is_async(run):
+        result = await run(task)
+    else:
+        result = await _in_thread(run, task)
+        if inspect.isawaitable(result):
+            result = await result
+    if result is None or isinstance(result, str):
+        return result
+    return str(result)
+
+
+async def _in_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a daemon thread: an agent that hangs never blocks the exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def target() -> None:
+        try:
+            outcome = (True, fn(*args))
+        except BaseException as exc:
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=target, name="areal-agent-task", daemon=True).start()
+    return await future
+
+
+def _preload_openai() -> None:
+    """Import openai now, before any task: a first import inside an agent would hold up the
+    event loop (and so the heartbeats) for a second or more."""
+    with contextlib.suppress(ImportError):
+        import openai  # noqa: F401
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004  (an object with async __call__)
+    )
+
+
+async def _watch(stop: _Stop | None, stopped: asyncio.Event) -> None:
+    if stop is None:
+        return
+    while not stop.is_set():
+        await asyncio.sleep(0.05)
+    stopped.set()
+
+
+def _retry_after(response: httpx.Response, cap: float) -> float:
+    try:
+        return min(max(float(response.headers.get("retry-after", "1")), 0.0), cap)
+    except ValueError:
+        return 1.0
