@@ -72,6 +72,12 @@ _BUILTINS: list[tuple[str, str, dict[str, Any], str]] = [
         {"domain": "airline"},
         "tau2-style airline customer service with a simulated user; database-state reward",
     ),
+    (
+        "areal/Tasks-v0",
+        "envs.tasks.env:TasksEnv",
+        {},
+        "Your own tasks from a JSONL file (path=...), scored by your function (score='pkg.mod:fn')",
+    ),
 ]
 
 
