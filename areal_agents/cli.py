@@ -7,6 +7,7 @@
     areal-agent train [--config FILE] [a.b=c ...]         asynchronous RL
     areal-agent demos --env ID --n N --out FILE            demonstrations for a warm start
     areal-agent envs                                      registered environments
+    areal-agent worker --connect URL --agent MOD:FACTORY  run an agent for a trainer's tasks
 
 Heavy imports (torch, transformers, envs) happen inside the commands, so ``--help`` is fast.
 """
@@ -74,8 +75,12 @@ def _build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--agent",
         default=None,
-        help="module:factory returning an agent (default: the built-in env-driven "
-        "tool-calling loop)",
+        help="pkg.module:factory or path/to/file.py:factory returning an agent: an OpenAI "
+        "Agents SDK Agent, an (async) callable taking an AgentTask, or an object with async "
+        "run(task) (default: the built-in env-driven tool-calling loop)",
+    )
+    ev.add_argument(
+        "--agent-kwargs", default="{}", help="JSON object of keyword arguments of the factory"
     )
     ev.add_argument(
         "--model", default=None, help="HF directory or hub id (default model if omitted)"
@@ -116,6 +121,33 @@ def _build_parser() -> argparse.ArgumentParser:
 
     envs = sub.add_parser("envs", help="list the registered environments")
     envs.set_defaults(func=_envs)
+
+    wk = sub.add_parser(
+        "worker",
+        help="run an agent in this process on the tasks a trainer hands out (needs only "
+        "httpx and openai)",
+    )
+    wk.add_argument(
+        "--connect", required=True, metavar="URL", help="the trainer's proxy URL, http://HOST:PORT"
+    )
+    wk.add_argument(
+        "--token", default=None, help="the trainer's worker token (default: $AREAL_WORKER_TOKEN)"
+    )
+    wk.add_argument(
+        "--agent",
+        required=True,
+        help="pkg.module:factory or path/to/file.py:factory returning the agent: an OpenAI "
+        "Agents SDK Agent, an (async) callable taking a task, or an object with async run(task)",
+    )
+    wk.add_argument(
+        "--agent-kwargs", default="{}", help="JSON object of keyword arguments of the factory"
+    )
+    wk.add_argument("--concurrency", type=int, default=1, help="tasks run at once")
+    wk.add_argument(
+        "--max-tasks", type=int, default=None, help="exit after this many tasks (default: never)"
+    )
+    wk.add_argument("--wait", type=float, default=20.0, help="long-poll wait per request (s)")
+    wk.set_defaults(func=_worker)
     return parser
 
 
@@ -293,7 +325,7 @@ def _eval(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
     make(args.env, **env_kwargs).close()  # unknown ids and bad kwargs fail before the model loads
-    agent = _load_agent(args.agent) if args.agent else None
+    agent = _load_agent(args.agent, args.agent_kwargs, args.max_turns) if args.agent else None
     if not 0 < args.top_p <= 1 or args.top_k < 0:
         raise ConfigError("--top-p must be in (0, 1] and --top-k >= 0 (0 keeps every token)")
     sampling: dict[str, Any] = {"temperature": args.temperature, "max_tokens": args.max_tokens}
@@ -385,17 +417,17 @@ def _ray_session(args: argparse.Namespace) -> Iterator[None]:
         yield
 
 
-def _load_agent(spec: str) -> Any:
-    import importlib
+def _load_agent(spec: str, kwargs_json: str = "{}", max_turns: int | None = None) -> Any:
+    """``--agent`` (and ``--agent-kwargs``) as the runner's agent (see ``task_agent``)."""
+    from .task_agent import load_agent
 
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"--agent expects module:factory, got {spec!r}")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"cannot load --agent {spec!r}: {exc}") from None
-    return factory()
+        kwargs = json.loads(kwargs_json)
+    except ValueError as exc:
+        raise ConfigError(f"--agent-kwargs is not valid JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"--agent-kwargs must be a JSON object, got {kwargs_json!r}")
+    return load_agent(spec, kwargs, max_turns=max_turns)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -434,6 +466,31 @@ def _demos(args: argparse.Namespace) -> int:
         for messages in rows:
             f.write(json.dumps({"messages": messages}) + "\n")
     print(f"wrote {len(rows)} demonstrations to {args.out}")
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from .client import AgentWorker
+
+    token = args.token or os.environ.get("AREAL_WORKER_TOKEN")
+    if not token:
+        raise ConfigError(
+            "areal-agent worker needs the trainer's worker token: --token T or $AREAL_WORKER_TOKEN"
+        )
+    if args.concurrency < 1 or (args.max_tasks is not None and args.max_tasks < 1):
+        raise ConfigError("--concurrency and --max-tasks must be >= 1")
+    if os.getcwd() not in sys.path:  # the agent's module may sit where the worker starts
+        sys.path.insert(0, os.getcwd())
+    agent = _load_agent(args.agent, args.agent_kwargs)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for quiet in ("httpx", "httpx2"):  # not a line per heartbeat and model call
+        logging.getLogger(quiet).setLevel(logging.WARNING)
+    worker = AgentWorker(args.connect, token, concurrency=args.concurrency, wait_s=args.wait)
+    print(f"areal-agent worker {worker.worker_id}: tasks from {worker.url}", file=sys.stderr)
+    done = worker.serve_sync(agent, max_tasks=args.max_tasks)
+    print(f"areal-agent worker {worker.worker_id}: {done} result(s) posted", file=sys.stderr)
     return 0
 
 

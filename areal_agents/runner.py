@@ -55,6 +55,12 @@ class AgentTask:
     api_key: str
     model: str
     info: dict[str, Any] = field(default_factory=dict)
+    session_id: str | None = None
+    """The proxy session that records this episode."""
+    group_id: str | None = None
+    """The group (the episodes sampled for the same task) this episode belongs to."""
+    task_id: str | None = None
+    """The env's task id (from its reset info), when it gives one."""
 
     def openai_client(self, **kwargs: Any) -> Any:
         from openai import AsyncOpenAI
@@ -284,12 +290,18 @@ class Runner:
             api_key=session.api_key,
             model=self.proxy.model_name,
             info=info,
+            session_id=session.id,
+            group_id=session.episode.group_id,
+            task_id=session.episode.task_id,
         )
         try:
             run = getattr(agent, "run", agent)
-            result = run(task)
-            if inspect.isawaitable(result):
-                result = await result
+            if _is_async(run):
+                result = await run(task)
+            else:  # a sync agent blocks: on a thread, so other episodes go on meanwhile
+                result = await asyncio.to_thread(run, task)
+                if inspect.isawaitable(result):
+                    result = await result
         except (RolloutError, ApiError):
             raise
         except Exception as exc:
@@ -334,6 +346,13 @@ class _EnvStepError(RolloutError):
 
 class _AgentError(RolloutError):
     kind = "agent_error"
+
+
+def _is_async(fn: Any) -> bool:
+    """A coroutine function (also through ``functools.partial`` or ``__call__``)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004
+    )
 
 
 def _conversation(episode: Episode, result: Any) -> list[dict[str, Any]]:

@@ -97,3 +97,84 @@ def serve_forever(proxy: Proxy, host: str, port: int) -> None:
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
+
+
+class LoopServer:
+    """A uvicorn server for a :class:`Proxy` on the *running* event loop, as a task of it
+    (the trainer: its agents, the proxy's handlers and the worker API share one loop, so the
+    session store is only ever touched from that loop). Signals are left to the program.
+
+    Example::
+
+        server = LoopServer(proxy)
+        await server.start()          # answers on server.base_url from now on
+        ...
+        await server.stop()
+    """
+
+    def __init__(self, proxy: Proxy, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.proxy = proxy
+        self.host = host
+        self.port = port or free_port(host)
+        if proxy.public_url is None:
+            proxy.public_url = self.url
+        config = uvicorn.Config(
+            proxy.app,
+            host=host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
+        self._server = _NoSignalServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI ``base_url`` of this proxy."""
+        return f"{self.url}/v1"
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        """Bind (an ``OSError`` names a taken port) and serve until :meth:`stop`."""
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(
+                f"cannot serve on {self.host}:{self.port}: {exc.strerror}; "
+                "choose another port (workers.port) or stop what holds it"
+            ) from None
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # the server's own error (e.g. the port is taken)
+                raise RuntimeError(f"the proxy did not start on {self.host}:{self.port}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the proxy did not start on {self.host}:{self.port}")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(self._task, 10)
+        except (TimeoutError, asyncio.CancelledError, SystemExit):
+            self._task.cancel()
+        self._task = None
+
+
+class _NoSignalServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the program that embeds it handles Ctrl-C."""
+
+    def capture_signals(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()

@@ -3,8 +3,11 @@
 Choices made:
 
 * One process, one event loop. Rollout groups (``rollout.group_size`` episodes of one task)
-  are generated continuously by the episode runner through the recording proxy and the
-  embedded engine (its own worker thread), while the trainer trains (in a worker thread).
+  come from a group source (:mod:`trainer.rollout`: the model driving the env, the user's
+  agent in this process, agents in their own processes through the worker API, or any of
+  these on Ray), generated continuously through the recording proxy and the engine (its
+  own worker thread), while the trainer trains (in a worker thread). The loop itself only
+  takes the next batch, trains, syncs the weights, logs and checkpoints.
 * Staleness is bounded by AReaL's capacity rule (:mod:`trainer.staleness`); eta = 0 is the
   synchronous baseline. Every output token carries its policy version; the metrics log how
   stale each consumed token was.
@@ -21,9 +24,9 @@ Choices made:
   (:mod:`trainer.critic`): its values before the step, rewards on each completion's last
   token, then one critic step on the clipped value loss after the policy step. The critic
   and its optimizer are checkpointed and resumed with the policy.
-* Data position: group g of the run uses env seed ``seed_base + g``. A checkpoint stores the
-  groups consumed so far; on resume, every started-but-unconsumed group is generated again
-  and nothing consumed is used twice.
+* Data position: group g of the run uses env seed ``seed_base + g``. A checkpoint
+  (:mod:`trainer.checkpoint`) stores the groups consumed so far; on resume, every
+  started-but-unconsumed group is generated again and nothing consumed is used twice.
 
 Left out: a reference model for KL, multi-node training (see the Ray scheduler issue).
 """
@@ -32,16 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import json
 import logging
 import random
-import shutil
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +51,7 @@ from areal_agents.embedded import FairLock
 from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device, resolve_dtype
 from areal_agents.model import resolve_model
-from areal_agents.proxy import Proxy
-from areal_agents.runner import EpisodeResult, Runner
 
-from .advantage import filter_uniform_groups
 from .algorithms import AlgorithmSpec, check_async_correction, get_algorithm
 from .batch import (
     ADDITIVE_STATS,
@@ -66,11 +62,12 @@ from .batch import (
     make_value_loss_fn,
     split_batch,
 )
-from .config import GROUP_ALGORITHMS, TrainConfig, dump_yaml
+from .checkpoint import RunState, append_ledger, restore_checkpoint, save_checkpoint
+from .config import TrainConfig, dump_yaml
 from .critic import Critic
 from .metrics import MetricsWriter
 from .policy import Policy
-from .staleness import StalenessGate
+from .rollout import ExternalSource, Group, build_rollout
 
 log = logging.getLogger(__name__)
 ENGINE_COUNTERS = (
@@ -85,24 +82,9 @@ ENGINE_COUNTERS = (
 )
 
 
-@dataclass
-class RunState:
-    """What a checkpoint must remember besides the weights and the optimizer."""
-
-    step: int = 0
-    next_group: int = 0
-    consumed_groups: list[int] = field(default_factory=list)
-    skipped_groups: list[int] = field(default_factory=list)
-    """Groups rejected (too few usable episodes, or uniform rewards under dynamic sampling)."""
-    episodes_consumed: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
-    elapsed_s: float = 0.0
-    """Wall-clock seconds of the run so far (warm start included), summed over resumes."""
-
-
 # ---------------------------------------------------------------------------- the run
 class Trainer:
-    """Owns the engine, proxy, runner and policy of one run."""
+    """Owns the engine, the group source and the policy of one run."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> None:
         self.cfg = cfg
@@ -125,9 +107,6 @@ class Trainer:
 
     # -- setup -------------------------------------------------------------------
     def _build(self) -> None:
-        from areal_agents.embedded import EmbeddedEngine
-        from envs.registry import make
-
         cfg = self.cfg
         _seed_everything(cfg.train.seed)
         self.model_path = resolve_model(cfg.model.path, quiet=self.quiet)
@@ -144,8 +123,7 @@ class Trainer:
                 "target_modules": list(cfg.model.lora.target_modules),
             }
         # On CPU the engine and the trainer share the cores: their forward passes take turns.
-        on_cpu = device.startswith("cpu")
-        lock = FairLock() if on_cpu else None
+        lock = FairLock() if device.startswith("cpu") else None
         shared: dict[str, Any] = {  # the same for the policy and a critic
             "dtype": dtype,
             "device": cfg.model.device,
@@ -171,47 +149,43 @@ class Trainer:
                 lr=cfg.critic.lr,
                 **shared,
             )
-        engine_dtype = resolve_dtype(cfg.model.dtype, device)
-        s = cfg.sampling
-        sampling = {
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "max_tokens": s.max_new_tokens,
-        }
-        by_kind = {kind: dict(values) for kind, values in s.by_kind.items()}
-        if cfg.scheduler == "local":
-            self.engine = EmbeddedEngine.from_pretrained(
-                self.model_path,
-                dtype=engine_dtype,
-                device=cfg.model.device,
-                decode=self.tokenizer.decode,
-                max_batch_size=max(cfg.rollout.concurrency, 1),
-                compute_lock=lock,
-            )
-            self.proxy = Proxy(self.engine, self.tokenizer)
-            self.runner = Runner(
-                self.proxy,
-                concurrency=cfg.rollout.concurrency,
-                max_turns=cfg.rollout.max_turns,
-                episode_timeout_s=cfg.rollout.episode_timeout_s or 1e9,
-                sampling=sampling,
-                sampling_by_kind=by_kind,
-            )
-        else:  # scheduler: ray (see _ray_rollout)
-            self.engine, self.runner = _ray_rollout(
-                cfg, self.model_path, engine_dtype, sampling, by_kind
-            )
-        kwargs = dict(cfg.env.kwargs)
-        probe = make(cfg.env.id, **kwargs)
-        if "split" in inspect.signature(type(probe.unwrapped).__init__).parameters:
-            kwargs.setdefault("split", cfg.env.split)
-        probe.close()
-        self.make_env = lambda: make(cfg.env.id, **kwargs)
-        self.seed_base = cfg.env.seed if cfg.env.seed is not None else cfg.train.seed * 100_000
+        rollout = build_rollout(
+            cfg,
+            model_path=self.model_path,
+            tokenizer=self.tokenizer,
+            compute_lock=lock,
+            state=self.state,
+            out=self.out,
+            dynamic_sampling=self.spec.dynamic_sampling,
+            quiet=self.quiet,
+        )
+        self.engine, self.source = rollout.engine, rollout.source
+        self.runner, self.make_env = self.source.runner, self.source.make_env
+        self.seed_base = self.source.settings.seed_base
+
+    async def _start(self) -> None:
+        """Resume from the latest checkpoint, or warm-start; then the engine gets the
+        weights and the source starts producing groups."""
+        if self.resume and self._restore():
+            self._t_start -= self.state.elapsed_s
+            if not self.quiet:
+                print(f"resumed from step {self.state.step}", file=sys.stderr)
+        elif self.cfg.sft.enabled:
+            await asyncio.to_thread(self._warm_start)
+            self._checkpoint()  # step 0: the warm-started model; a resume skips the warm start
+        await self.engine.update_weights(self.policy.weight_update(self.state.step))
+        await self._engine_counters()  # the start of the first step's engine rates
+        server = getattr(self.source, "server", None)
+        if server is not None:
+            await server.start()
+        self.source.start(version=self.state.step)
 
     def _warm_start(self) -> None:
-        """Supervised warm start on ``sft.demos`` (rendered with the env's tools)."""
+        """Supervised warm start on ``sft.demos``, rendered with the env's tools; with an
+        in-process agent, the way that agent's prompts look (``observe_prompt``). Runs on a
+        thread of its own (the agent probe gets an event loop of its own there)."""
+        from areal_agents.task_agent import observe_prompt
+
         from .sft import load_demos, run_sft
 
         cfg = self.cfg
@@ -232,11 +206,21 @@ class Trainer:
             path = str(self.out / "sft_demos.jsonl")
             with open(path, "w") as f:
                 f.writelines(json.dumps({"messages": m}) + "\n" for m in rows)
+        demos, tools = load_demos(path), info.get("tools") or None
+        if self.source.agent is not None and not isinstance(self.source, ExternalSource):
+            # rendered the way the agent's prompts look: its messages before the env's
+            # (instructions), its tool list, through the same chat template
+            prefix, tools = asyncio.run(
+                observe_prompt(
+                    self.source.agent, self.make_env, self.tokenizer, seed=self.seed_base
+                )
+            )
+            demos = [d if d[: len(prefix)] == prefix else [*prefix, *d] for d in demos]
         stats = run_sft(
             self.policy,
             self.tokenizer,
-            load_demos(path),
-            info.get("tools") or None,
+            demos,
+            tools,
             epochs=cfg.sft.epochs,
             lr=cfg.sft.lr,
             micro_batch_tokens=cfg.train.micro_batch_tokens,
@@ -255,159 +239,73 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         self.state.elapsed_s = self._elapsed()
-        d = self.out / "checkpoints" / f"step-{self.state.step:06d}"
-        tmp = d.with_name(d.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.policy.save(tmp)
-        if self.critic is not None:
-            self.critic.save(tmp / "critic")
-        (tmp / "state.json").write_text(json.dumps(self.state.__dict__))
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
-        shutil.rmtree(d, ignore_errors=True)
-        tmp.rename(d)  # a checkpoint directory is complete or absent
-        (self.out / "checkpoints" / "latest").write_text(d.name)
+        save_checkpoint(self.out, self.state, self.policy, self.critic)
 
     def _restore(self) -> bool:
-        latest = self.out / "checkpoints" / "latest"
-        if not latest.exists():
+        restored = restore_checkpoint(self.out, self.policy, self.critic)
+        if restored is not None:
+            self.state.__dict__.update(restored.__dict__)  # the source holds this object
+        return restored is not None
+
+    def _consumed(self, groups: list[Group]) -> None:
+        st = self.state
+        st.step += 1
+        st.consumed_groups += [g for g, _ in groups]
+        st.episodes_consumed += sum(len(eps) for _, eps in groups)
+        append_ledger(self.out, st.step, groups)
+
+    def _out_of_time(self, recent: deque[float]) -> bool:
+        limit = self.cfg.train.time_limit_min
+        if limit is None or not out_of_time_budget(self._elapsed(), list(recent), 60 * limit):
             return False
-        d = self.out / "checkpoints" / latest.read_text().strip()
-        self.policy.load(d)
-        if self.critic is not None:
-            self.critic.load(d / "critic")
-        self.state = RunState(**json.loads((d / "state.json").read_text()))
-        rng = torch.load(d / "rng.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        _truncate_ledger(self.out / "groups.jsonl", self.state.step)
+        if not self.quiet:
+            print(
+                f"train.time_limit_min={limit}: stopping after step {self.state.step} "
+                f"({self._elapsed() / 60:.1f} min; another step would overrun)",
+                file=sys.stderr,
+            )
         return True
 
-    # -- main --------------------------------------------------------------------
-    async def run(self) -> dict[str, Any]:
+    def _metrics(self) -> MetricsWriter:
+        m = self.cfg.metrics
+        return MetricsWriter(self.out, jsonl=m.jsonl, tensorboard=m.tensorboard, wandb=m.wandb)
+
+    def _progress_bar(self) -> Any:
         from tqdm import tqdm
 
-        self._t_start = time.perf_counter()
-        self._build()
-        cfg, st = self.cfg, self.state
-        if self.resume and self._restore():
-            st = self.state
-            self._t_start -= st.elapsed_s
-            if not self.quiet:
-                print(f"resumed from step {st.step}", file=sys.stderr)
-        elif cfg.sft.enabled:
-            await asyncio.to_thread(self._warm_start)
-            self._checkpoint()  # step 0: the warm-started model; a resume skips the warm start
-        version = st.step
-        await self.engine.update_weights(self.policy.weight_update(version))
-        B, G = cfg.rollout.batch_size, cfg.rollout.group_size
-        gate = StalenessGate(
-            B, cfg.rollout.max_head_offpolicyness, version=version, accepted=len(st.consumed_groups)
-        )
-        queue: asyncio.Queue[tuple[int, list[EpisodeResult]]] = asyncio.Queue()
-        done = set(st.consumed_groups) | set(st.skipped_groups)
-        redo = [g for g in range(st.next_group) if g not in done]
-        metrics = MetricsWriter(
-            self.out,
-            jsonl=cfg.metrics.jsonl,
-            tensorboard=cfg.metrics.tensorboard,
-            wandb=cfg.metrics.wandb,
-        )
-        dropped: Counter[str] = Counter(st.dropped)
-
-        def usable(results: list[EpisodeResult]) -> list[EpisodeResult]:
-            return [r for r in results if r.ok and r.episode.completions]
-
-        def uniform(ok: list[EpisodeResult]) -> bool:
-            rewards = torch.tensor([r.reward for r in ok])
-            return not bool(filter_uniform_groups(rewards, ["g"] * len(ok)).any())
-
-        async def one_group(g: int) -> None:
-            # Episode i of group g samples with seed (seed_base + g) * G + i, probe or not.
-            def run(n: int, first: int = 0) -> Awaitable[list[EpisodeResult]]:
-                return self.runner.run_group(
-                    self.make_env,
-                    n,
-                    seed=self.seed_base + g,
-                    group_id=f"g{g}",
-                    sampling_seed=(self.seed_base + g) * G + first,
-                )
-
-            k = cfg.rollout.probe_size
-            results = await run(k or G)
-            probed_out = False
-            if k:
-                probe = usable(results)
-                probed_out = len(probe) >= 2 and uniform(probe)
-                if probed_out:
-                    dropped["uniform_probe"] += 1
-                else:
-                    results += await run(G - k, k)
-            for r in results:
-                if not r.ok:
-                    dropped[r.end_reason] += 1
-            ok = usable(results)
-            keep = not probed_out and len(ok) >= (2 if cfg.algorithm in GROUP_ALGORITHMS else 1)
-            if keep and self.spec.dynamic_sampling and uniform(ok):
-                keep = False
-                dropped["uniform_group"] += 1
-            await gate.finish(accepted=keep)
-            if keep:
-                await queue.put((g, ok))
-            else:
-                st.skipped_groups.append(g)  # never redone; the gate admits a new group
-
-        tasks: set[asyncio.Task[None]] = set()  # groups in flight
-
-        async def producer() -> None:
-            while True:
-                await gate.acquire()
-                if redo:
-                    g = redo.pop(0)
-                else:
-                    g = st.next_group
-                    st.next_group += 1
-                t = asyncio.create_task(one_group(g))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
-
-        await self._engine_counters()  # the start of the first step's engine rates
-        prod = asyncio.create_task(producer())
-        bar = tqdm(
-            total=cfg.train.steps,
-            initial=st.step,
+        return tqdm(
+            total=self.cfg.train.steps,
+            initial=self.state.step,
             desc="train",
             unit="step",
             disable=self.quiet,
             file=sys.stderr,
         )
-        summary: dict[str, Any] = {}
+
+    # -- main --------------------------------------------------------------------
+    async def run(self) -> dict[str, Any]:
+        """Next batch, train step, weight sync, log, checkpoint; until ``train.steps`` or
+        ``train.time_limit_min``. Then the final model (LoRA merged) is exported."""
+        self._t_start = time.perf_counter()
+        self._build()
+        cfg, st, source = self.cfg, self.state, self.source
+        metrics, bar = self._metrics(), self._progress_bar()
         recent: deque[float] = deque(maxlen=4)  # step durations, s
+        summary: dict[str, Any] = {}
         try:
+            await self._start()
             while st.step < cfg.train.steps:
                 t0 = time.perf_counter()
-                got = [await queue.get() for _ in range(B)]
+                groups = await source.next_batch(cfg.rollout.batch_size)
                 t_wait = time.perf_counter() - t0
-                summary = await self._train_step(got, version, t_wait, metrics, dropped)
-                version += 1
-                st.step += 1
-                st.consumed_groups += [g for g, _ in got]
-                st.episodes_consumed += sum(len(eps) for _, eps in got)
-                st.dropped = dict(dropped)
-                with (self.out / "groups.jsonl").open("a") as f:
-                    for g, eps in got:
-                        f.write(
-                            json.dumps({"step": st.step, "group": g, "episodes": len(eps)}) + "\n"
-                        )
-                await self.engine.update_weights(self.policy.weight_update(version))
-                await gate.set_version(version)
-                every = cfg.train.save_every
-                limit = cfg.train.time_limit_min
+                summary = await self._train_step(groups, st.step, t_wait, metrics, source.dropped)
+                self._consumed(groups)
+                await self.engine.update_weights(self.policy.weight_update(st.step))
+                await source.set_version(st.step)
                 recent.append(time.perf_counter() - t0)
-                out_of_time = limit is not None and out_of_time_budget(
-                    self._elapsed(), list(recent), 60 * limit
-                )
-                last = st.step == cfg.train.steps or out_of_time
-                if (every and st.step % every == 0) or last:
+                stop = self._out_of_time(recent)
+                every = cfg.train.save_every
+                if stop or st.step == cfg.train.steps or (every and st.step % every == 0):
                     self._checkpoint()
                 bar.update()
                 bar.set_postfix(
@@ -416,26 +314,13 @@ class Trainer:
                     stale=f"{summary['staleness_mean']:.2f}",
                     gen_tps=f"{summary['gen_tokens_per_s']:.0f}",
                 )
-                if out_of_time:
-                    if not self.quiet:
-                        print(
-                            f"train.time_limit_min={limit}: stopping after step {st.step} "
-                            f"({self._elapsed() / 60:.1f} min; another step would overrun)",
-                            file=sys.stderr,
-                        )
+                if stop:
                     summary["stopped_by_time_limit"] = True
                     break
         finally:
-            # Stop generating: groups still in flight are not consumed (a resume redoes
-            # them), so they end here, before their workers and the engine go away.
-            prod.cancel()
-            for t in list(tasks):
-                t.cancel()
-            await asyncio.gather(prod, *tasks, return_exceptions=True)
+            await source.close()  # groups in flight end here: a resume redoes them
             bar.close()
             metrics.close()
-            if cfg.scheduler == "ray":  # scheduler: ray: end the rollout workers
-                await self.runner.close()  # type: ignore[attr-defined]
             await self.engine.close()
         final = self.policy.export(self.out / "final", self.model_path, merge_lora=True)
         summary["final_model"] = str(final)
@@ -443,7 +328,7 @@ class Trainer:
 
     async def _train_step(
         self,
-        got: list[tuple[int, list[EpisodeResult]]],
+        got: list[Group],
         version: int,
         t_wait: float,
         metrics: MetricsWriter,
@@ -629,53 +514,6 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _truncate_ledger(path: Path, step: int) -> None:
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    path.write_text("".join(r + "\n" for r in rows))
-
-
-# ---------------------------------------------------------------------------- scheduler: ray
-def _ray_rollout(
-    cfg: TrainConfig,
-    model_path: str,
-    engine_dtype: str,
-    sampling: dict[str, Any],
-    by_kind: dict[str, dict[str, Any]],
-) -> tuple[Any, Any]:
-    """``scheduler: ray``: the engine and the episodes run as Ray actors
-    (:mod:`areal_agents.cluster`, :mod:`areal_agents.ray_runner`) while the policy trains in
-    this process; new weights reach the engine actors through the object store.
-
-    Joins ``$RAY_ADDRESS`` or a cluster started with ``ray start`` on this machine, else starts
-    a local one (Ray shuts that down when the process exits). One engine actor (a GPU when the
-    cluster has one); rollout workers: one per node, at least 2.
-    """
-    from areal_agents.cluster import EmbeddedSpec, RayEngine, connect
-    from areal_agents.ray_runner import RayRunner
-
-    connect()
-    spec = EmbeddedSpec(
-        model=None if cfg.model.path is None else model_path,  # None: prepared on its node
-        dtype=engine_dtype,
-        device=cfg.model.device,
-        max_batch_size=max(cfg.rollout.concurrency, 1),
-    )
-    engine = RayEngine.start(spec)
-    runner = RayRunner(
-        engine,
-        model_path,
-        concurrency=cfg.rollout.concurrency,
-        max_turns=cfg.rollout.max_turns,
-        episode_timeout_s=cfg.rollout.episode_timeout_s or 1e9,
-        sampling=sampling,
-        sampling_by_kind=by_kind,
-    )
-    return engine, runner
-
-
-# ---------------------------------------------------------------------------- end scheduler: ray
 def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to completion (blocking); returns the last step's metrics."""
     return asyncio.run(Trainer(cfg, resume=resume, quiet=quiet).run())

@@ -518,3 +518,25 @@ def test_worker_command_help_and_missing_token():
         ]
     )
     assert out.returncode == 2 and "worker token" in out.stderr
+
+
+async def test_the_readme_openai_worker_example_solves_calculator_episodes(tok):
+    """examples/agents/openai_worker.py (shown verbatim in the README, at most 25 lines) as
+    the worker's agent, loaded the way ``areal-agent worker --agent FILE:make_agent`` does."""
+    from areal_agents.task_agent import load_agent
+
+    path = ROOT / "examples" / "agents" / "openai_worker.py"
+    source = path.read_text()
+    assert len(source.splitlines()) <= 25
+    assert source in (ROOT / "README.md").read_text(), "the README shows another version"
+    agent = load_agent(f"{path}:make_agent")
+    with trainer(tok) as t:
+        worker = AgentWorker(t.server.url, TOKEN, wait_s=2, concurrency=2)
+        results, posted = await asyncio.gather(
+            t.runner.run_group(make_calc, 2, seed=3, agent=t.hub.remote_agent),
+            worker.serve(agent, max_tasks=2),
+        )
+    assert posted == 2
+    for res in results:
+        assert (res.end_reason, res.success) == ("terminated", True), res.error
+        assert len(res.episode.completions) == 2

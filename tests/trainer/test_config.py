@@ -41,6 +41,7 @@ sampling:
   {temperature: 0.8, top_p: 0.95, top_k: 50, max_new_tokens: 256,
    by_kind: {word: {temperature: 0.7}}}
 rollout:
+  agents: local
   group_size: 4
   batch_size: 2
   max_head_offpolicyness: 0
@@ -87,6 +88,8 @@ sft:
   lr: 1.0e-5
   kind: episodes
 metrics: {tensorboard: false, jsonl: true, wandb: false}
+agent: {factory: "my_pkg.agents:make_agent", kwargs: {temperature: 0.5}}
+workers: {host: 127.0.0.1, port: 0, token: null, heartbeat_timeout_s: 30.0, on_lost: redo}
 scheduler: ray
 """
 

@@ -1,0 +1,188 @@
+"""Group sources (trainer/rollout.py): one conformance test that every source passes, on a
+scripted engine behind the real proxy, plus the pieces that only some sources have."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+import envs
+from areal_agents import ChatTokenizer, FakeEngine, Proxy
+from areal_agents.runner import AgentTask, EpisodeResult, Runner
+from areal_agents.server import LoopServer
+from envs.base import AgentEnv
+from trainer.checkpoint import RunState
+from trainer.rollout import (
+    AgentSource,
+    EnvSource,
+    ExternalSource,
+    GroupSource,
+    SourceSettings,
+)
+
+G, B = 3, 2
+
+
+class Parity(AgentEnv):
+    """One turn: reward = parity of the reply's length (so groups are rarely uniform)."""
+
+    def _start(self, options):
+        self.task = int(self.np_random.integers(1_000_000))
+        return [{"role": "user", "content": f"Task {self.task}: say something."}], {
+            "task_id": str(self.task)
+        }
+
+    def tools(self):
+        return []
+
+    def _respond(self, message):
+        reward = float(len(message.get("content") or "") % 2)
+        return [], reward, True, {"success": reward > 0}
+
+    def score(self, messages):
+        reward = float(len(messages[-1].get("content") or "") % 2)
+        return reward, {"success": reward > 0}
+
+
+envs.register("test/SourceParity-v0", Parity, description="rollout test", override=True)
+
+
+def make_env() -> Any:
+    return envs.make("test/SourceParity-v0")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return ChatTokenizer.from_dir(tiny_model_dir)
+
+
+def fake_engine(tokenizer: ChatTokenizer, delay_s: float = 0.0) -> FakeEngine:
+    """Replies of 1-6 random words, ended by <|im_end|>."""
+    end = tokenizer.token_id("<|im_end|>")
+    rng = random.Random(0)
+
+    def script(prompt_ids, params):
+        words = " ".join("ab"[: rng.randint(1, 2)] for _ in range(rng.randint(1, 6)))
+        return [*tokenizer.encode(words), end]
+
+    return FakeEngine(script, delay_s=delay_s)
+
+
+async def agent(task: AgentTask) -> str | None:
+    """An in-process agent: one call through the session's OpenAI endpoint."""
+    async with task.openai_client() as client:
+        reply = await client.chat.completions.create(
+            model=task.model, messages=task.messages, max_tokens=8
+        )
+    return reply.choices[0].message.content
+
+
+def settings(**kw: Any) -> SourceSettings:
+    return SourceSettings(**{"batch_size": B, "group_size": G, "eta": 0, **kw})
+
+
+@contextlib.asynccontextmanager
+async def source_of(kind: str, tokenizer, state: RunState, **kw: Any) -> AsyncIterator[Any]:
+    """A started source of ``kind`` over a scripted engine, closed afterwards."""
+    engine = fake_engine(tokenizer, delay_s=0.01)
+    proxy = Proxy(engine, tokenizer, self_rewarding=kind != "external")
+    s = settings(**kw)
+    server = LoopServer(proxy)
+    worker_task = None
+    if kind == "env":
+        src: GroupSource = EnvSource(s, state, Runner(proxy), make_env)
+    else:
+        runner = Runner(proxy, base_url=server.base_url)
+        await server.start()
+        if kind == "agent":
+            src = AgentSource(s, state, runner, make_env, agent, server)
+        else:
+            from areal_agents.client import AgentWorker
+            from areal_agents.workers import WorkerHub
+
+            hub = WorkerHub(proxy, "tok", heartbeat_timeout_s=5.0)
+            src = ExternalSource(s, state, runner, make_env, hub, server)
+            worker = AgentWorker(server.url, "tok", concurrency=8, wait_s=1.0)
+            worker_task = asyncio.create_task(worker.serve(agent))
+    src.start(version=state.step)
+    try:
+        yield src
+    finally:
+        await src.close()
+        if worker_task is not None:
+            worker_task.cancel()
+            await asyncio.gather(worker_task, return_exceptions=True)
+        if kind == "env":
+            await server.stop()
+
+
+KINDS = ["env", "agent", "external"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_every_source_yields_whole_groups_within_the_gate(kind, tokenizer):
+    """Conformance: groups of G usable episodes under one group id and one task; with eta = 0
+    exactly B groups start per policy version (the gate), the next B after set_version."""
+    state = RunState()
+    async with source_of(kind, tokenizer, state) as src:
+        first = await src.next_batch(B)
+        await asyncio.sleep(0.2)  # room for a wrongly admitted third group to start
+        assert state.next_group == B, "eta = 0 admits exactly one batch per version"
+        await src.set_version(1)
+        second = await src.next_batch(B)
+    groups = [*first, *second]
+    assert sorted(g.number for g in groups) == [0, 1, 2, 3]
+    for g in groups:
+        assert len(g.episodes) == G
+        assert all(isinstance(r, EpisodeResult) and r.ok for r in g.episodes)
+        assert {r.episode.group_id for r in g.episodes} == {f"g{g.number}"}
+        assert len({r.episode.task_id for r in g.episodes}) == 1
+        assert all(r.episode.completions for r in g.episodes)
+    # group g resets its env with seed seed_base + g: distinct groups, distinct tasks
+    assert len({g.episodes[0].episode.task_id for g in groups}) == 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_every_source_redoes_unfinished_groups_first_after_a_resume(kind, tokenizer):
+    """A checkpoint that started groups 0-3, consumed 0 and skipped 2: 1 and 3 come again
+    (with the tasks they had), then new groups from 4; 0 and 2 never."""
+    state = RunState(step=1, next_group=4, consumed_groups=[0], skipped_groups=[2])
+    async with source_of(kind, tokenizer, state, eta=1) as src:
+        got = await src.next_batch(B)
+    assert sorted(g.number for g in got) == [1, 3]
+    fresh = RunState()
+    async with source_of(kind, tokenizer, fresh, batch_size=4) as src:
+        ref = {g.number: g for g in await src.next_batch(4)}
+    for g in got:
+        assert g.episodes[0].episode.task_id == ref[g.number].episodes[0].episode.task_id
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_every_source_closes_without_leaving_work_behind(kind, tokenizer):
+    state = RunState()
+    before = set(asyncio.all_tasks())
+    async with source_of(kind, tokenizer, state, eta=3) as src:
+        await src.next_batch(1)
+    await asyncio.sleep(0.05)
+    left = [t for t in asyncio.all_tasks() - before if not t.done()]
+    assert left == [asyncio.current_task()] or not left
+
+
+async def test_a_producer_error_reaches_next_batch(tokenizer):
+    """An error outside any episode (here: the env cannot be made) ends the run's wait with
+    that error instead of waiting forever."""
+
+    def broken() -> Any:
+        raise RuntimeError("no env")
+
+    proxy = Proxy(fake_engine(tokenizer), tokenizer)
+    src = EnvSource(settings(), RunState(), Runner(proxy), broken)
+    src.start(version=0)
+    with pytest.raises(Exception, match="no env"):
+        await asyncio.wait_for(src.next_batch(1), 10)
+    await src.close()
