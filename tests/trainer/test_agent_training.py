@@ -120,7 +120,7 @@ def test_a_bad_agent_factory_fails_before_any_episode(tmp_path):
     from areal_agents.errors import ConfigError
     from areal_agents.task_agent import load_agent
 
-    with pytest.raises(ConfigError, match="expected 'pkg.module:factory'"):
+    with pytest.raises(ConfigError, match=r"expected 'pkg\.module:factory'"):
         load_agent("no_colon")
     with pytest.raises(ConfigError, match="cannot load agent factory"):
         load_agent("no_such_module_here:make")
@@ -129,7 +129,7 @@ def test_a_bad_agent_factory_fails_before_any_episode(tmp_path):
         load_agent(f"{tmp_path / 'f.py'}:make", {"y": 1})
     with pytest.raises(ConfigError, match="expected an OpenAI Agents SDK Agent"):
         load_agent(f"{tmp_path / 'f.py'}:make", {"x": 1})
-    with pytest.raises(ConfigError, match="agent.factory"):
+    with pytest.raises(ConfigError, match=r"agent\.factory"):
         load_config(None, ["env.id=x", "agent.factory=not a spec"])
     with pytest.raises(ConfigError, match="external agents bring their own code"):
         load_config(None, ["env.id=x", "agent.factory=a:b", "rollout.agents=external"])

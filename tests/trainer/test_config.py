@@ -493,3 +493,18 @@ def test_critic_settings_without_a_critic_algorithm_name_the_fix() -> None:
     )
     # a resolved config (every section written out with its defaults) still loads
     assert load_config(None, ["env.id=x", "critic.lam=0.95"]).algorithm == "grpo"
+
+
+def test_every_loss_key_reaches_the_loss_spec_or_the_loop():
+    """A ``loss.*`` key is a LossSpec field of the same name (set by ``_algorithm``), or
+    ``proximal`` (read by the loop): no key is validated and then ignored."""
+    import dataclasses
+
+    from trainer.config import LossConfig
+    from trainer.loop import LOSS_OVERRIDES, _algorithm
+
+    names = {f.name for f in dataclasses.fields(LossConfig)}
+    assert names - set(LOSS_OVERRIDES) == {"proximal"}
+    cfg = load_config(None, ["env.id=x", "loss.clip_high=0.28", "loss.agg=sum", "loss.kl_coef=0.1"])
+    spec = _algorithm(cfg).loss
+    assert (spec.clip_high, spec.agg, spec.kl_coef) == (0.28, "sum", 0.1)
