@@ -54,3 +54,31 @@ def build_tiny_qwen3(out: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+async def _check_source(src, state, batch: int, group: int) -> None:
+    """The group-source conformance check (trainer/rollout.py), for every source: groups of
+    ``group`` usable episodes under one group id and one task; with eta = 0 exactly
+    ``batch`` groups start per policy version, the next ``batch`` after set_version; group g
+    resets its env with seed seed_base + g, so distinct groups have distinct tasks."""
+    import asyncio
+
+    first = await src.next_batch(batch)
+    await asyncio.sleep(0.2)  # room for a wrongly admitted extra group to start
+    assert state.next_group == batch, "eta = 0 admits exactly one batch per version"
+    await src.set_version(1)
+    second = await src.next_batch(batch)
+    groups = [*first, *second]
+    assert sorted(g.number for g in groups) == list(range(2 * batch))
+    for g in groups:
+        assert len(g.episodes) == group
+        assert all(r.ok and r.episode.completions for r in g.episodes)
+        assert {r.episode.group_id for r in g.episodes} == {f"g{g.number}"}
+        assert len({r.episode.task_id for r in g.episodes}) == 1
+    assert len({g.episodes[0].episode.task_id for g in groups}) == 2 * batch
+
+
+@pytest.fixture
+def check_source():
+    """``await check_source(started_source, its_state, batch_size, group_size)``."""
+    return _check_source

@@ -325,3 +325,20 @@ def test_tokenizer_files_rebuild_the_same_tokenizer(tmp_path):
     assert files.load().encode_chat(messages) == want.encode_chat(messages)
     with pytest.raises(UserError, match=r"no tokenizer\.json"):
         TokenizerFiles.read(tmp_path)
+
+
+async def test_ray_source_passes_the_group_source_conformance_check(pool, check_source):
+    """RaySource: the same groups, gate and task seeds as the local sources (the check in
+    tests/conftest.py), with the episodes on rollout-worker actors."""
+    from trainer.checkpoint import RunState
+    from trainer.rollout import RaySource, SourceSettings
+
+    _, runner = pool
+    state = RunState()
+    settings = SourceSettings(batch_size=2, group_size=3, eta=0)
+    src = RaySource(settings, state, runner, make_env)
+    src.start(version=0)
+    try:
+        await check_source(src, state, 2, 3)
+    finally:
+        await super(RaySource, src).close()  # the pool's runner outlives this test

@@ -13,7 +13,7 @@ import pytest
 
 import envs
 from areal_agents import ChatTokenizer, FakeEngine, Proxy
-from areal_agents.runner import AgentTask, EpisodeResult, Runner
+from areal_agents.runner import AgentTask, Runner
 from areal_agents.server import LoopServer
 from envs.base import AgentEnv
 from trainer.checkpoint import RunState
@@ -125,26 +125,11 @@ KINDS = ["env", "agent", "external"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_every_source_yields_whole_groups_within_the_gate(kind, tokenizer):
-    """Conformance: groups of G usable episodes under one group id and one task; with eta = 0
-    exactly B groups start per policy version (the gate), the next B after set_version."""
+async def test_every_source_yields_whole_groups_within_the_gate(kind, tokenizer, check_source):
+    """Conformance (tests/conftest.py ``check_source``; tests/ray runs it on RaySource)."""
     state = RunState()
     async with source_of(kind, tokenizer, state) as src:
-        first = await src.next_batch(B)
-        await asyncio.sleep(0.2)  # room for a wrongly admitted third group to start
-        assert state.next_group == B, "eta = 0 admits exactly one batch per version"
-        await src.set_version(1)
-        second = await src.next_batch(B)
-    groups = [*first, *second]
-    assert sorted(g.number for g in groups) == [0, 1, 2, 3]
-    for g in groups:
-        assert len(g.episodes) == G
-        assert all(isinstance(r, EpisodeResult) and r.ok for r in g.episodes)
-        assert {r.episode.group_id for r in g.episodes} == {f"g{g.number}"}
-        assert len({r.episode.task_id for r in g.episodes}) == 1
-        assert all(r.episode.completions for r in g.episodes)
-    # group g resets its env with seed seed_base + g: distinct groups, distinct tasks
-    assert len({g.episodes[0].episode.task_id for g in groups}) == 4
+        await check_source(src, state, B, G)
 
 
 @pytest.mark.parametrize("kind", KINDS)
