@@ -17,6 +17,7 @@ episode, are recorded on it, counted, and never crash a batch::
         ├── ContextOverflow       prompt + max tokens exceed the model's context
         ├── EnvError              the environment (or its user simulator) failed
         ├── EpisodeTimeout        the episode ran past its time limit
+        ├── AgentError            the user's agent raised (in this process or a worker's)
         └── AgentLost             an agent in another process stopped answering (no
                                   heartbeat, no result in time, or the worker hub closed)
 
@@ -90,6 +91,12 @@ class EpisodeTimeout(RolloutError):
     kind = "timeout"
 
 
+class AgentError(RolloutError):
+    """The user's agent raised (in this process, or in a worker, which posted the error)."""
+
+    kind = "agent_error"
+
+
 class AgentLost(RolloutError):
     """A worker that took the episode's task stopped heartbeating or ran out of time."""
 
@@ -97,6 +104,7 @@ class AgentLost(RolloutError):
 
 
 __all__ = [
+    "AgentError",
     "AgentLost",
     "ArealError",
     "BackendError",

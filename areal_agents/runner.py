@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import EpisodeTimeout, RolloutError, UserError
+from .errors import AgentError, EpisodeTimeout, RolloutError, UserError
 from .proxy import ApiError, Proxy
 from .session import Session
 from .trajectory import Episode
@@ -305,7 +305,7 @@ class Runner:
         except (RolloutError, ApiError):
             raise
         except Exception as exc:
-            raise _AgentError(f"the agent raised {exc!r}") from exc
+            raise AgentError(f"the agent raised {exc!r}") from exc
         ep = session.episode
         state["turns"] = len(ep.completions)
         conversation = _conversation(ep, result)
@@ -342,10 +342,6 @@ class Runner:
 
 class _EnvStepError(RolloutError):
     kind = "env_error"
-
-
-class _AgentError(RolloutError):
-    kind = "agent_error"
 
 
 def _is_async(fn: Any) -> bool:

@@ -1,6 +1,6 @@
 """Token-level trajectories: completions, episodes, discounted returns and training samples.
 
-The data contract of DESIGN.md, in code:
+The data contract, in code (what every engine, proxy and trainer path agrees on):
 
 * A :class:`Completion` is one model call with the exact token ids sampled, their logprobs and
   policy versions, and the parsed assistant message.

@@ -32,7 +32,7 @@ Loss: a handed-out task with no heartbeat, tool call or result for ``heartbeat_t
 (a tool call running in the hub counts as alive), or without a result ``episode_timeout_s``
 after it was handed out, is declared lost: ``remote_agent`` raises
 :class:`~areal_agents.errors.AgentLost` (episode end reason ``"agent_lost"``) saying which and
-how long. An ``error`` posted by the worker raises :class:`RemoteAgentError`
+how long. An ``error`` posted by the worker raises ``AgentError``
 (``"agent_error"``). When the waiting ``remote_agent`` is cancelled (the runner's episode
 timeout, the trainer dropping the episode) the task is withdrawn: taken out of the queue, or
 refused (409) to the worker that holds it. :meth:`WorkerHub.close` ends every waiting call
@@ -62,23 +62,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import AgentLost, RolloutError
+from .errors import AgentError, AgentLost
 from .proxy import ApiError, Proxy, _parse
 
 if TYPE_CHECKING:
     from .runner import AgentTask
 
-__all__ = ["RemoteAgentError", "WorkerHub"]
+__all__ = ["WorkerHub"]
 
 DEFAULT_WAIT_S = 20.0
 _QUEUED, _RUNNING, _DONE, _LOST, _WITHDRAWN = "queued", "running", "done", "lost", "withdrawn"
 _KEEP_GONE = 10_000  # finished task ids remembered, so late calls get a 409 and not a 404
-
-
-class RemoteAgentError(RolloutError):
-    """The worker's agent raised; the message carries the worker's error text."""
-
-    kind = "agent_error"
 
 
 # ---------------------------------------------------------------------- wire schemas
@@ -185,7 +179,7 @@ class WorkerHub:
         """The agent for ``Runner``: a worker runs ``task``; returns its final answer.
 
         Raises :class:`AgentLost` when the worker goes silent or runs out of time, and
-        :class:`RemoteAgentError` when the worker reports that its agent failed.
+        ``AgentError`` when the worker reports that its agent failed.
         """
         handle = self._enqueue(task)
         try:
@@ -223,7 +217,7 @@ class WorkerHub:
                 if kind == _DONE:
                     return text
                 if kind == "error":
-                    raise RemoteAgentError(f"the agent raised in worker {handle.worker_id}: {text}")
+                    raise AgentError(f"the agent raised in worker {handle.worker_id}: {text}")
                 raise AgentLost(text or "the worker was lost")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(handle.changed.wait(), wait)

@@ -67,7 +67,7 @@ from .config import LossConfig, TrainConfig, dump_yaml
 from .critic import Critic
 from .metrics import MetricsWriter
 from .policy import Policy
-from .rollout import ExternalSource, Group, build_rollout
+from .rollout import Group, build_rollout
 
 log = logging.getLogger(__name__)
 ENGINE_COUNTERS = (
@@ -175,10 +175,7 @@ class Trainer:
             self._checkpoint()  # step 0: the warm-started model; a resume skips the warm start
         await self.engine.update_weights(self.policy.weight_update(self.state.step))
         await self._engine_counters()  # the start of the first step's engine rates
-        server = getattr(self.source, "server", None)
-        if server is not None:
-            await server.start()
-        self.source.start(version=self.state.step)
+        await self.source.start(version=self.state.step)
 
     def _warm_start(self) -> None:
         """Supervised warm start on ``sft.demos``, rendered with the env's tools; with an
@@ -207,12 +204,12 @@ class Trainer:
             with open(path, "w") as f:
                 f.writelines(json.dumps({"messages": m}) + "\n" for m in rows)
         demos, tools = load_demos(path), info.get("tools") or None
-        if self.source.agent is not None and not isinstance(self.source, ExternalSource):
+        if self.source.local_agent is not None:
             # rendered the way the agent's prompts look: its messages before the env's
             # (instructions), its tool list, through the same chat template
             prefix, tools = asyncio.run(
                 observe_prompt(
-                    self.source.agent, self.make_env, self.tokenizer, seed=self.seed_base
+                    self.source.local_agent, self.make_env, self.tokenizer, seed=self.seed_base
                 )
             )
             demos = [d if d[: len(prefix)] == prefix else [*prefix, *d] for d in demos]

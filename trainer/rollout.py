@@ -118,7 +118,7 @@ class GroupSource:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the loop's side
-    def start(self, version: int) -> None:
+    async def start(self, version: int) -> None:
         """Start producing groups for policy ``version`` (the number of steps taken)."""
         s, st = self.settings, self.state
         self.gate = StalenessGate(
@@ -228,16 +228,27 @@ def _uniform(ok: list[EpisodeResult]) -> bool:
 
 # ---------------------------------------------------------------------------- the sources
 class EnvSource(GroupSource):
-    """The raw model drives the env: ``runner.run_group`` with no agent."""
-
-    agent: Any = None
+    """``runner.run_group`` in this process: the raw model drives the env (no agent), or
+    the runner drives ``agent`` (what the subclasses give it)."""
 
     def __init__(
-        self, settings: SourceSettings, state: RunState, runner: Any, make_env: EnvFactory
+        self,
+        settings: SourceSettings,
+        state: RunState,
+        runner: Any,
+        make_env: EnvFactory,
+        agent: Any = None,
     ) -> None:
         super().__init__(settings, state)
         self.runner = runner
         self.make_env = make_env
+        self.agent = agent
+
+    @property
+    def local_agent(self) -> Any:
+        """The agent code that runs in this process (its prompts can be observed for a
+        warm start), or None: the model drives the env, or agents run elsewhere."""
+        return self.agent
 
     async def episodes(self, g: int, n: int, first: int) -> list[EpisodeResult]:
         s = self.settings
@@ -255,7 +266,8 @@ class EnvSource(GroupSource):
 class AgentSource(EnvSource):
     """The user's agent in this process: each episode hands it an ``AgentTask`` (the env's
     messages and tools, a proxy session's ``base_url`` and key); the env scores what it
-    did. The proxy is served over HTTP on loopback, in this event loop, for the agent."""
+    did. ``server`` serves the proxy over HTTP for the agent, in this event loop, from
+    :meth:`start` to :meth:`close`."""
 
     def __init__(
         self,
@@ -266,9 +278,12 @@ class AgentSource(EnvSource):
         agent: Any,
         server: Any,
     ) -> None:
-        super().__init__(settings, state, runner, make_env)
-        self.agent = agent
+        super().__init__(settings, state, runner, make_env, agent)
         self.server = server
+
+    async def start(self, version: int) -> None:
+        await self.server.start()
+        await super().start(version)
 
     async def close(self) -> None:
         await super().close()
@@ -293,6 +308,10 @@ class ExternalSource(AgentSource):
         super().__init__(settings, state, runner, make_env, hub.remote_agent, server)
         self.hub = hub
 
+    @property
+    def local_agent(self) -> Any:
+        return None  # the agents are the workers'
+
     async def close(self) -> None:
         await GroupSource.close(self)  # episodes cancelled first: their tasks are withdrawn
         self.hub.close()  # then waiting long-polls return at once
@@ -301,18 +320,7 @@ class ExternalSource(AgentSource):
 
 class RaySource(EnvSource):
     """The runner's episodes on Ray rollout-worker actors (env- or agent-driven), the engine
-    an actor too; the policy trains in this process."""
-
-    def __init__(
-        self,
-        settings: SourceSettings,
-        state: RunState,
-        runner: Any,
-        make_env: EnvFactory,
-        agent: Any = None,
-    ) -> None:
-        super().__init__(settings, state, runner, make_env)
-        self.agent = agent
+    an actor too; the policy trains in this process. Closing ends the worker actors."""
 
     async def close(self) -> None:
         await super().close()

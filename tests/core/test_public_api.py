@@ -1,4 +1,6 @@
-"""The public API surface and the one-way dependency rules of DESIGN.md."""
+"""The public API surface and the one-way dependency rules: tools -> areal_agents, envs ->
+tools and areal_agents, trainer -> areal_agents; areal_agents imports none of them at import
+time, and envs, tools and the proxy import no torch."""
 
 from __future__ import annotations
 

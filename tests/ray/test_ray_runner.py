@@ -337,7 +337,7 @@ async def test_ray_source_passes_the_group_source_conformance_check(pool, check_
     state = RunState()
     settings = SourceSettings(batch_size=2, group_size=3, eta=0)
     src = RaySource(settings, state, runner, make_env)
-    src.start(version=0)
+    await src.start(version=0)
     try:
         await check_source(src, state, 2, 3)
     finally:

@@ -97,8 +97,7 @@ async def source_of(kind: str, tokenizer, state: RunState, **kw: Any) -> AsyncIt
     if kind == "env":
         src: GroupSource = EnvSource(s, state, Runner(proxy), make_env)
     else:
-        runner = Runner(proxy, base_url=server.base_url)
-        await server.start()
+        runner = Runner(proxy, base_url=server.base_url)  # the source serves it from start()
         if kind == "agent":
             src = AgentSource(s, state, runner, make_env, agent, server)
         else:
@@ -108,8 +107,9 @@ async def source_of(kind: str, tokenizer, state: RunState, **kw: Any) -> AsyncIt
             hub = WorkerHub(proxy, "tok", heartbeat_timeout_s=5.0)
             src = ExternalSource(s, state, runner, make_env, hub, server)
             worker = AgentWorker(server.url, "tok", concurrency=8, wait_s=1.0)
-            worker_task = asyncio.create_task(worker.serve(agent))
-    src.start(version=state.step)
+    await src.start(version=state.step)
+    if kind == "external":
+        worker_task = asyncio.create_task(worker.serve(agent))
     try:
         yield src
     finally:
@@ -117,8 +117,6 @@ async def source_of(kind: str, tokenizer, state: RunState, **kw: Any) -> AsyncIt
         if worker_task is not None:
             worker_task.cancel()
             await asyncio.gather(worker_task, return_exceptions=True)
-        if kind == "env":
-            await server.stop()
 
 
 KINDS = ["env", "agent", "external"]
@@ -170,7 +168,7 @@ async def test_a_producer_error_reaches_next_batch(tokenizer):
 
     proxy = Proxy(fake_engine(tokenizer), tokenizer)
     src = EnvSource(settings(), RunState(), Runner(proxy), broken)
-    src.start(version=0)
+    await src.start(version=0)
     with pytest.raises(Exception, match="no env"):
         await asyncio.wait_for(src.next_batch(1), 10)
     await src.close()
