@@ -17,7 +17,7 @@ Choices made:
   logprobs. Where a paper uses it, its docstring says so.
 
 Left out: per-algorithm learning-rate or batch-size recipes (they belong to the run
-config), entropy bonuses, value-model warm-up for PPO (the critic trains from the first
+config), value-model warm-up for PPO (the critic trains from the first
 step).
 """
 
@@ -28,47 +28,16 @@ import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
 from torch import Tensor
 
 from areal_agents.errors import ConfigError
 
-from .advantage import (
-    Baseline,
-    Ids,
-    Reduce,
-    Scale,
-    Weighting,
-    completion_weights,
-    gae,
-    group_advantages,
-    overlong_penalty,
-)
-from .loss import Agg, BehaviourCorrection, KLEstimator, RatioLevel, policy_loss, value_loss
+from .advantage import Baseline, Ids, Scale, gae, group_advantages, overlong_penalty
+from .loss import LossSpec, _choice, _raise
 
 Estimator = Literal["group", "gae"]
-
-_TOKEN_AGG: dict[tuple[str, str], Agg] = {
-    ("token", "mean"): "token_mean",
-    ("token", "sum"): "token_mean",
-    ("token", "sum_norm"): "token_mean",
-    ("completion", "mean"): "seq_mean_token_mean",
-    ("completion", "sum"): "seq_mean_token_sum",
-    ("completion", "sum_norm"): "seq_mean_token_sum_norm",
-}
-
-
-def _choice(section: str, name: str, value: object, kind: object) -> list[str]:
-    choices = get_args(kind)
-    if value in choices:
-        return []
-    return [f"{section}.{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}"]
-
-
-def _raise(section: str, problems: list[str]) -> None:
-    if problems:
-        raise ConfigError(f"invalid {section} settings:", problems)
 
 
 @dataclass(frozen=True)
@@ -132,126 +101,6 @@ class AdvantageSpec:
         this spec's gamma at every token. Whitening is left to the caller (it spans a batch)."""
         gamma = self.gamma if discounts is None else discounts
         return gae(rewards, values, mask, gamma, self.lam, bootstrap=bootstrap)
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """A setting of the one policy loss (see ``trainer.loss.policy_loss``)."""
-
-    clip_low: float | None = 0.2
-    """eps_low: the ratio is clipped below at 1 - eps_low; None = no lower bound."""
-    clip_high: float | None = 0.2
-    """eps_high: the ratio is clipped above at 1 + eps_high; None = no upper bound."""
-    ratio_level: RatioLevel = "token"
-    """token: per-token ratio; sequence: geometric mean over each completion (GSPO)."""
-    behaviour_correction: BehaviourCorrection = "clip"
-    """pi_prox / pi_behav weight: clip at behaviour_cap, mask tokens above it, or none."""
-    behaviour_cap: float = 5.0
-    """Cap of the behaviour importance weight."""
-    weighting: Weighting = "episode"
-    """The unit that weighs equally: episode, completion or token."""
-    agg: Reduce = "mean"
-    """Token losses within a unit: mean, sum, or sum / max_tokens (Dr.GRPO)."""
-    sapo_tau_pos: float | None = None
-    """SAPO gate temperature for positive advantages; None = hard clip."""
-    sapo_tau_neg: float | None = None
-    """SAPO gate temperature for negative advantages."""
-    m2po_tau: float | None = None
-    """M2PO: mask tokens until the second moment of log-ratios is <= this; None = off."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference model; 0 = none."""
-    kl_estimator: KLEstimator = "k3"
-    """k1, k2 or k3 estimator of KL(pi_theta || pi_ref)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (the policy's token entropy at the sampling temperature,
-    aggregated like the policy loss); 0 = none."""
-    value_clip: float | None = 0.2
-    """Critic value clip range (PPO); None = unclipped."""
-
-    def __post_init__(self) -> None:
-        problems = _choice("loss", "ratio_level", self.ratio_level, RatioLevel)
-        problems += _choice(
-            "loss", "behaviour_correction", self.behaviour_correction, BehaviourCorrection
-        )
-        problems += _choice("loss", "weighting", self.weighting, Weighting)
-        problems += _choice("loss", "agg", self.agg, Reduce)
-        problems += _choice("loss", "kl_estimator", self.kl_estimator, KLEstimator)
-        for name in ("clip_low", "clip_high", "m2po_tau", "sapo_tau_pos", "sapo_tau_neg"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                problems.append(f"loss.{name}: expected > 0 or None, got {v}")
-        if (self.sapo_tau_pos is None) != (self.sapo_tau_neg is None):
-            problems.append("loss.sapo_tau_pos, loss.sapo_tau_neg: set both (SAPO) or neither")
-        if self.behaviour_cap < 1:
-            problems.append(f"loss.behaviour_cap: expected >= 1, got {self.behaviour_cap}")
-        if self.kl_coef < 0:
-            problems.append(f"loss.kl_coef: expected >= 0, got {self.kl_coef}")
-        if self.entropy_coef < 0:
-            problems.append(f"loss.entropy_coef: expected >= 0, got {self.entropy_coef}")
-        _raise("loss", problems)
-
-    @property
-    def token_agg(self) -> Agg:
-        """The ``policy_loss`` aggregation equal to (weighting, agg) when a row is one unit."""
-        unit = "token" if self.weighting == "token" else "completion"
-        return _TOKEN_AGG[(unit, self.agg)]
-
-    def weights(
-        self, token_completion: Tensor, episode_ids: Ids, max_tokens: int | None = None
-    ) -> Tensor:
-        """Per-token weights over a whole batch (``completion_weights``) for this setting."""
-        return completion_weights(
-            token_completion,
-            episode_ids,
-            weighting=self.weighting,
-            reduce=self.agg,
-            max_tokens=max_tokens,
-        )
-
-    def policy_loss(
-        self,
-        logp: Tensor,
-        behav_logp: Tensor,
-        prox_logp: Tensor | None,
-        advantages: Tensor,
-        mask: Tensor,
-        **inputs: Tensor | int | None,
-    ) -> tuple[Tensor, dict[str, float]]:
-        """``policy_loss`` with this setting. ``inputs``: weights, segment_ids, max_tokens,
-        ref_logp, entropy (anything that is data rather than configuration)."""
-        sapo = self.sapo_tau_pos, self.sapo_tau_neg
-        return policy_loss(
-            logp,
-            behav_logp,
-            prox_logp,
-            advantages,
-            mask,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            ratio_level=self.ratio_level,
-            behaviour_correction=self.behaviour_correction,
-            behaviour_cap=self.behaviour_cap,
-            agg=self.token_agg,
-            sapo_tau_pos=sapo[0],
-            sapo_tau_neg=sapo[1],
-            m2po_tau=self.m2po_tau,
-            kl_coef=self.kl_coef,
-            kl_estimator=self.kl_estimator,
-            entropy_coef=self.entropy_coef,
-            **inputs,  # type: ignore[arg-type]
-        )
-
-    def value_loss(
-        self,
-        values: Tensor,
-        old_values: Tensor,
-        returns: Tensor,
-        mask: Tensor,
-        weights: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, float]]:
-        """PPO's clipped value loss with this spec's clip: ``sum(weights * term)`` with the
-        policy loss's weights, or the token mean without them."""
-        return value_loss(values, old_values, returns, mask, clip=self.value_clip, weights=weights)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ Choices made:
       L = - agg( w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) )
 
   Without a proximal logprob, pi_prox = pi_behav and w = 1: standard PPO.
-* Every algorithm is a setting of this loss: asymmetric clip (DAPO), sequence-level
-  geometric-mean ratio (GSPO), soft sigmoid gate instead of the clip (SAPO), second-moment
-  token masking (M2PO), k1/k2/k3 KL to a reference, four aggregations or explicit weights.
+* Every algorithm is a setting of this loss, one :class:`LossSpec`: asymmetric clip (DAPO),
+  sequence-level geometric-mean ratio (GSPO), soft sigmoid gate instead of the clip (SAPO),
+  second-moment token masking (M2PO), k1/k2/k3 KL to a reference, four aggregations or
+  explicit weights. ``policy_loss`` takes the spec and data only; the spec validates itself.
 * Tokens dropped by a correction (behaviour mask, M2PO) contribute 0 but stay in the
   aggregation's denominator, so the loss scale does not depend on how many were dropped.
 * Log-ratios are clamped to +-20 before exp so that a wild token gives a large but finite
@@ -26,10 +27,15 @@ logprob computation over the vocabulary (the training loop chunks sequences if n
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 from torch import Tensor
+
+from areal_agents.errors import ConfigError
+
+from .advantage import Ids, Reduce, Weighting, completion_weights
 
 RatioLevel = Literal["token", "sequence"]
 BehaviourCorrection = Literal["clip", "mask", "none"]
@@ -38,11 +44,35 @@ KLEstimator = Literal["k1", "k2", "k3"]
 
 _MAX_LOG_RATIO = 20.0
 
+_TOKEN_AGG: dict[tuple[str, str], Agg] = {
+    ("token", "mean"): "token_mean",
+    ("token", "sum"): "token_mean",
+    ("token", "sum_norm"): "token_mean",
+    ("completion", "mean"): "seq_mean_token_mean",
+    ("completion", "sum"): "seq_mean_token_sum",
+    ("completion", "sum_norm"): "seq_mean_token_sum_norm",
+}
+"""(unit, reduce) -> the ``aggregate`` equal to it when a row is one unit."""
+
 
 def _check_choice(name: str, value: str, kind: object) -> None:
     choices = get_args(kind)
     if value not in choices:
         raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _choice(section: str, name: str, value: object, kind: object) -> list[str]:
+    """The problem with ``section.name = value`` if it is not one of ``kind``'s choices."""
+    choices = get_args(kind)
+    if value in choices:
+        return []
+    return [f"{section}.{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}"]
+
+
+def _raise(section: str, problems: list[str]) -> None:
+    """Raise every problem of a settings section at once as one ``ConfigError``."""
+    if problems:
+        raise ConfigError(f"invalid {section} settings:", problems)
 
 
 # ------------------------------------------------------------------ logits
@@ -188,6 +218,108 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * m).sum() / m.sum().clamp(min=1)
 
 
+# ------------------------------------------------------------------ the setting
+@dataclass(frozen=True)
+class LossSpec:
+    """A setting of the one policy loss (see :func:`policy_loss`); validated on creation,
+    every problem at once (``ConfigError``)."""
+
+    clip_low: float | None = 0.2
+    """eps_low: the ratio is clipped below at 1 - eps_low; None = no lower bound."""
+    clip_high: float | None = 0.2
+    """eps_high: the ratio is clipped above at 1 + eps_high; None = no upper bound."""
+    ratio_level: RatioLevel = "token"
+    """token: per-token ratio; sequence: geometric mean over each completion (GSPO)."""
+    behaviour_correction: BehaviourCorrection = "clip"
+    """pi_prox / pi_behav weight: clip at behaviour_cap, mask tokens above it, or none."""
+    behaviour_cap: float = 5.0
+    """Cap of the behaviour importance weight."""
+    weighting: Weighting = "episode"
+    """The unit that weighs equally: episode, completion or token."""
+    agg: Reduce = "mean"
+    """Token losses within a unit: mean, sum, or sum / max_tokens (Dr.GRPO)."""
+    sapo_tau_pos: float | None = None
+    """SAPO gate temperature for positive advantages; None = hard clip."""
+    sapo_tau_neg: float | None = None
+    """SAPO gate temperature for negative advantages."""
+    m2po_tau: float | None = None
+    """M2PO: mask tokens until the second moment of log-ratios is <= this; None = off."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference model; 0 = none."""
+    kl_estimator: KLEstimator = "k3"
+    """k1, k2 or k3 estimator of KL(pi_theta || pi_ref)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (the policy's token entropy at the sampling temperature,
+    aggregated like the policy loss); 0 = none."""
+    value_clip: float | None = 0.2
+    """Critic value clip range (PPO); None = unclipped."""
+
+    def __post_init__(self) -> None:
+        problems = _choice("loss", "ratio_level", self.ratio_level, RatioLevel)
+        problems += _choice(
+            "loss", "behaviour_correction", self.behaviour_correction, BehaviourCorrection
+        )
+        problems += _choice("loss", "weighting", self.weighting, Weighting)
+        problems += _choice("loss", "agg", self.agg, Reduce)
+        problems += _choice("loss", "kl_estimator", self.kl_estimator, KLEstimator)
+        for name in ("clip_low", "clip_high", "m2po_tau", "sapo_tau_pos", "sapo_tau_neg"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                problems.append(f"loss.{name}: expected > 0 or None, got {v}")
+        if (self.sapo_tau_pos is None) != (self.sapo_tau_neg is None):
+            problems.append("loss.sapo_tau_pos, loss.sapo_tau_neg: set both (SAPO) or neither")
+        if self.behaviour_cap < 1:
+            problems.append(f"loss.behaviour_cap: expected >= 1, got {self.behaviour_cap}")
+        if self.kl_coef < 0:
+            problems.append(f"loss.kl_coef: expected >= 0, got {self.kl_coef}")
+        if self.entropy_coef < 0:
+            problems.append(f"loss.entropy_coef: expected >= 0, got {self.entropy_coef}")
+        _raise("loss", problems)
+
+    @property
+    def token_agg(self) -> Agg:
+        """The ``policy_loss`` aggregation equal to (weighting, agg) when a row is one unit."""
+        unit = "token" if self.weighting == "token" else "completion"
+        return _TOKEN_AGG[(unit, self.agg)]
+
+    def weights(
+        self, token_completion: Tensor, episode_ids: Ids, max_tokens: int | None = None
+    ) -> Tensor:
+        """Per-token weights over a whole batch (``completion_weights``) for this setting."""
+        return completion_weights(
+            token_completion,
+            episode_ids,
+            weighting=self.weighting,
+            reduce=self.agg,
+            max_tokens=max_tokens,
+        )
+
+    def policy_loss(
+        self,
+        logp: Tensor,
+        behav_logp: Tensor,
+        prox_logp: Tensor | None,
+        advantages: Tensor,
+        mask: Tensor,
+        **inputs: Tensor | int | None,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """``policy_loss`` with this setting. ``inputs``: weights, segment_ids, max_tokens,
+        ref_logp, entropy (anything that is data rather than configuration)."""
+        return policy_loss(logp, behav_logp, prox_logp, advantages, mask, self, **inputs)  # type: ignore[arg-type]
+
+    def value_loss(
+        self,
+        values: Tensor,
+        old_values: Tensor,
+        returns: Tensor,
+        mask: Tensor,
+        weights: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """PPO's clipped value loss with this spec's clip: ``sum(weights * term)`` with the
+        policy loss's weights, or the token mean without them."""
+        return value_loss(values, old_values, returns, mask, clip=self.value_clip, weights=weights)
+
+
 # ------------------------------------------------------------------ policy loss
 def _behaviour_weight(
     log_w: Tensor, valid: Tensor, correction: BehaviourCorrection, cap: float
@@ -233,57 +365,49 @@ def policy_loss(
     prox_logp: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
+    spec: LossSpec | None = None,
     *,
-    clip_low: float | None = 0.2,
-    clip_high: float | None = 0.2,
-    ratio_level: RatioLevel = "token",
-    segment_ids: Tensor | None = None,
-    behaviour_correction: BehaviourCorrection = "clip",
-    behaviour_cap: float = 5.0,
-    agg: Agg = "token_mean",
-    max_tokens: int | None = None,
     weights: Tensor | None = None,
-    sapo_tau_pos: float | None = None,
-    sapo_tau_neg: float | None = None,
-    m2po_tau: float | None = None,
+    segment_ids: Tensor | None = None,
+    max_tokens: int | None = None,
     ref_logp: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: KLEstimator = "k3",
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The decoupled PPO objective, configured. Returns ``(loss, stats)``.
+    """The decoupled PPO objective with the setting ``spec`` (None: ``LossSpec()``, GRPO's).
+    Returns ``(loss, stats)``.
 
     Inputs are ``[B, T]`` (``advantages`` may be ``[B]``, one per row); ``logp`` carries the
-    gradient, the others are constants. Per token, with eps_low/eps_high = clip_low/clip_high
-    (None: no bound on that side)::
+    gradient, the others are constants; every keyword is data, every setting is a field of
+    ``spec``. Per token, with eps_low/eps_high = ``spec.clip_low``/``spec.clip_high`` (None:
+    no bound on that side) and cap = ``spec.behaviour_cap``::
 
         r   = exp(logp - prox_logp)                           prox_logp = behav_logp if None
-        w   = exp(prox_logp - behav_logp), then               behaviour_correction
+        w   = exp(prox_logp - behav_logp), then               spec.behaviour_correction
                 clip: min(w, cap)   mask: 0 where w > cap   none: 1
         obj = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
-        L   = -agg(w * obj) + kl_coef * agg(KL) - entropy_coef * agg(H)
+        L   = -agg(w * obj) + spec.kl_coef * agg(KL) - spec.entropy_coef * agg(H)
 
-    ``ratio_level="sequence"`` (GSPO) replaces r and w by their geometric mean over each
+    ``spec.ratio_level="sequence"`` (GSPO) replaces r and w by their geometric mean over each
     sequence, ``exp(mean_t log r_t)``, where a sequence is a row or, with ``segment_ids``
-    (e.g. ``token_completion``), each completion of a merged row. SAPO (``sapo_tau_pos``,
-    ``sapo_tau_neg``) replaces the clipped min by a soft gate whose gradient is
+    (e.g. ``token_completion``), each completion of a merged row. SAPO (``spec.sapo_tau_pos``,
+    ``spec.sapo_tau_neg``) replaces the clipped min by a soft gate whose gradient is
     ``4 sigma(1 - sigma) r A grad log pi``, equal to the plain policy gradient at r = 1::
 
         obj = sigmoid(tau * (r - 1)) * 4 / tau * A,   tau = tau_pos if A > 0 else tau_neg
 
-    M2PO (``m2po_tau``) zeroes the tokens chosen by :func:`m2po_mask` on
-    ``log pi_theta - log pi_behav``. KL to ``ref_logp`` with d = logp - ref_logp: k1 = d,
-    k2 = d^2 / 2, k3 = exp(-d) - 1 + d. ``weights`` (see ``completion_weights``) replace
-    ``agg``: each term becomes ``sum(weights * x)``. Dropped tokens stay in denominators.
+    M2PO (``spec.m2po_tau``) zeroes the tokens chosen by :func:`m2po_mask` on
+    ``log pi_theta - log pi_behav``. KL to ``ref_logp`` (needed when ``spec.kl_coef > 0``;
+    reported whenever given) with d = logp - ref_logp and ``spec.kl_estimator``: k1 = d,
+    k2 = d^2 / 2, k3 = exp(-d) - 1 + d. H is ``entropy`` (reported whenever given).
+
+    ``agg``: with ``weights`` (``spec.weights``, over a whole batch) each term is
+    ``sum(weights * x)``; without them it is :func:`aggregate` with ``spec.token_agg``, the
+    (``spec.weighting``, ``spec.agg``) pair with each row taken as one unit, and
+    ``max_tokens`` as Dr.GRPO's normalizer. Dropped tokens stay in denominators.
     """
-    _check_policy_inputs(logp, behav_logp, mask, ratio_level, behaviour_correction, agg)
-    _check_choice("kl_estimator", kl_estimator, KLEstimator)
-    if (sapo_tau_pos is None) != (sapo_tau_neg is None):
-        raise ValueError("sapo_tau_pos, sapo_tau_neg: set both (SAPO) or neither")
-    if behaviour_cap < 1:
-        raise ValueError(f"behaviour_cap: expected >= 1, got {behaviour_cap}")
-    if kl_coef and ref_logp is None:
+    spec = LossSpec() if spec is None else spec
+    _check_policy_inputs(logp, behav_logp, mask)
+    if spec.kl_coef and ref_logp is None:
         raise ValueError("ref_logp: kl_coef > 0 needs the reference model's logprobs")
     valid = mask.bool()
     adv = advantages.detach().float()
@@ -293,17 +417,19 @@ def policy_loss(
     cur = logp.float()
 
     log_r, log_w = cur - prox, prox - behav
-    if ratio_level == "sequence":
+    if spec.ratio_level == "sequence":
         log_r = _segment_mean_tokens(log_r, valid, segment_ids)
         log_w = _segment_mean_tokens(log_w, valid, segment_ids)
     ratio = torch.exp(log_r.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    w, over = _behaviour_weight(log_w, valid, behaviour_correction, behaviour_cap)
+    w, over = _behaviour_weight(log_w, valid, spec.behaviour_correction, spec.behaviour_cap)
     keep = valid
-    if m2po_tau is not None:
-        keep = m2po_mask(cur.detach() - behav, valid, m2po_tau)
-    sapo = None if sapo_tau_pos is None or sapo_tau_neg is None else (sapo_tau_pos, sapo_tau_neg)
-    obj, low, high = _surrogate(ratio, adv, clip_low, clip_high, sapo)
+    if spec.m2po_tau is not None:
+        keep = m2po_mask(cur.detach() - behav, valid, spec.m2po_tau)
+    tau_pos, tau_neg = spec.sapo_tau_pos, spec.sapo_tau_neg
+    sapo = None if tau_pos is None or tau_neg is None else (tau_pos, tau_neg)
+    obj, low, high = _surrogate(ratio, adv, spec.clip_low, spec.clip_high, sapo)
     per_token = -(w * keep.to(w.dtype) * obj)
+    agg = spec.token_agg
 
     def reduce(x: Tensor) -> Tensor:
         if weights is not None:
@@ -322,36 +448,26 @@ def policy_loss(
         "behaviour_clip_fraction": _masked_mean(over.float(), valid),
         "behaviour_weight_mean": _masked_mean(w, valid),
     }
-    if m2po_tau is not None:
+    if spec.m2po_tau is not None:
         stats["m2"] = _masked_mean((cur.detach() - behav) ** 2, valid)
         stats["m2po_masked_fraction"] = _masked_mean((valid & ~keep).float(), valid)
     if sapo is not None:
         sig = torch.sigmoid(torch.where(adv > 0, sapo[0], sapo[1]) * (ratio.detach() - 1.0))
         stats["sapo_gate_mean"] = _masked_mean(4.0 * sig * (1.0 - sig), valid)
     if ref_logp is not None:
-        kl = _kl(cur - ref_logp.detach().float(), kl_estimator)
+        kl = _kl(cur - ref_logp.detach().float(), spec.kl_estimator)
         stats["kl"] = _masked_mean(kl.detach(), valid)
-        if kl_coef:
-            loss = loss + kl_coef * reduce(kl)
+        if spec.kl_coef:
+            loss = loss + spec.kl_coef * reduce(kl)
     if entropy is not None:
         stats["entropy"] = _masked_mean(entropy.detach().float(), valid)
-        if entropy_coef:
-            loss = loss - entropy_coef * reduce(entropy.float())
+        if spec.entropy_coef:
+            loss = loss - spec.entropy_coef * reduce(entropy.float())
     stats["loss"] = loss.detach()
     return loss, _floats(stats)
 
 
-def _check_policy_inputs(
-    logp: Tensor,
-    behav_logp: Tensor,
-    mask: Tensor,
-    ratio_level: str,
-    behaviour_correction: str,
-    agg: str,
-) -> None:
-    _check_choice("ratio_level", ratio_level, RatioLevel)
-    _check_choice("behaviour_correction", behaviour_correction, BehaviourCorrection)
-    _check_choice("agg", agg, Agg)
+def _check_policy_inputs(logp: Tensor, behav_logp: Tensor, mask: Tensor) -> None:
     if logp.dim() != 2 or behav_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(
             f"logp, behav_logp, mask: expected equal [B, T] shapes, got {tuple(logp.shape)}, "

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trainer.loss import (
+    LossSpec,
     aggregate,
     approx_proximal_logp,
     entropy_from_logits,
@@ -59,7 +60,9 @@ def test_clip_higher_is_asymmetric():
     # the first is inside 1 + 0.28 (obj 1.25), the second is below 1 - 0.2 (obj -0.8)
     logp = logp_of([[1.25, 0.75]])
     adv = torch.tensor([[1.0, -1.0]])
-    loss, stats = policy_loss(logp, z((1, 2)), None, adv, torch.ones(1, 2), clip_high=0.28)
+    loss, stats = policy_loss(
+        logp, z((1, 2)), None, adv, torch.ones(1, 2), LossSpec(clip_high=0.28)
+    )
     assert loss.item() == approx(-(1.25 - 0.8) / 2)
     assert stats["clip_high_fraction"] == 0.0 and stats["clip_low_fraction"] == 0.5
     loss.backward()
@@ -72,7 +75,8 @@ def test_clip_higher_is_asymmetric():
 
 def test_no_clip_bound():
     logp = logp_of([[3.0]])
-    loss, _ = policy_loss(logp, z((1, 1)), None, torch.ones(1, 1), torch.ones(1, 1), clip_high=None)
+    spec = LossSpec(clip_high=None)
+    loss, _ = policy_loss(logp, z((1, 1)), None, torch.ones(1, 1), torch.ones(1, 1), spec)
     assert loss.item() == approx(-3.0)
 
 
@@ -87,9 +91,8 @@ def test_behaviour_weight_clip_mask_none_by_hand():
     corr: Any
     for corr, want in expected.items():
         logp = prox.clone().requires_grad_(True)
-        loss, stats = policy_loss(
-            logp, behav, prox, adv, mask, behaviour_correction=corr, behaviour_cap=5.0
-        )
+        spec = LossSpec(behaviour_correction=corr, behaviour_cap=5.0)
+        loss, stats = policy_loss(logp, behav, prox, adv, mask, spec)
         assert loss.item() == approx(want), corr
         assert stats["behaviour_clip_fraction"] == 0.5
         loss.backward()
@@ -126,10 +129,11 @@ def test_gspo_sequence_ratio_by_hand():
     logp = torch.tensor([[0.1, 0.3, 0.0], [-0.2, 0.0, -0.1]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     adv = torch.tensor([1.0, -1.0])
-    kw: dict[str, Any] = dict(
-        ratio_level="sequence", agg="seq_mean_token_mean", clip_low=0.3, clip_high=0.3
+    # agg seq_mean_token_mean: each row (completion) weighs equally, tokens averaged in it
+    spec = LossSpec(
+        ratio_level="sequence", weighting="completion", agg="mean", clip_low=0.3, clip_high=0.3
     )
-    loss, _ = policy_loss(logp, z((2, 3)), None, adv, mask, **kw)
+    loss, _ = policy_loss(logp, z((2, 3)), None, adv, mask, spec)
     s0, s1 = math.exp(0.2), math.exp(-0.1)
     assert loss.item() == approx(-(s0 - s1) / 2)
     loss.backward()
@@ -143,8 +147,9 @@ def test_gspo_tight_clip_and_segments():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     # GSPO's 3e-4 / 4e-4: s0 = 1.22 > 1.0004 with A > 0 and s1 = 0.905 < 0.9997 with A < 0
     loss, stats = policy_loss(
-        logp, z((2, 3)), None, torch.tensor([1.0, -1.0]), mask, ratio_level="sequence",
-        agg="seq_mean_token_mean", clip_low=3e-4, clip_high=4e-4,
+        logp, z((2, 3)), None, torch.tensor([1.0, -1.0]), mask,
+        LossSpec(ratio_level="sequence", weighting="completion", agg="mean",
+                 clip_low=3e-4, clip_high=4e-4),
     )  # fmt: skip
     assert loss.item() == approx(-(1.0004 - 0.9997) / 2)
     assert stats["clip_fraction"] == 1.0
@@ -155,8 +160,8 @@ def test_gspo_tight_clip_and_segments():
     logp = torch.tensor([[0.1, 0.3, -0.2, 0.0, -0.1]])
     loss, _ = policy_loss(
         logp, z((1, 5)), None, torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0]]), torch.ones(1, 5),
-        ratio_level="sequence", segment_ids=torch.tensor([[0, 0, 1, 1, 1]]),
-        clip_low=0.3, clip_high=0.3,
+        LossSpec(ratio_level="sequence", weighting="token", clip_low=0.3, clip_high=0.3),
+        segment_ids=torch.tensor([[0, 0, 1, 1, 1]]),
     )  # fmt: skip
     assert loss.item() == approx(0.054341)
 
@@ -171,7 +176,7 @@ def test_sapo_gate_by_hand():
     logp = logp_of([[1.0, 1.5]])
     loss, stats = policy_loss(
         logp, z((1, 2)), None, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2),
-        sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+        LossSpec(sapo_tau_pos=1.0, sapo_tau_neg=1.05),
     )  # fmt: skip
     assert loss.item() == approx(0.196793)
     loss.backward()
@@ -187,7 +192,7 @@ def test_sapo_decays_smoothly_where_the_hard_clip_cuts():
         logp = logp_of([[1.3]])
         loss, _ = policy_loss(
             logp, z((1, 1)), None, torch.ones(1, 1), torch.ones(1, 1),
-            sapo_tau_pos=sapo, sapo_tau_neg=sapo,
+            LossSpec(sapo_tau_pos=sapo, sapo_tau_neg=sapo),
         )  # fmt: skip
         loss.backward()
         assert grad(logp).item() == approx(want)
@@ -216,7 +221,7 @@ def test_m2po_in_the_loss_by_hand():
     logp = torch.tensor([[0.5, 0.0, 0.0, 0.0]], requires_grad=True)
     loss, stats = policy_loss(
         logp, z((1, 4)), None, torch.ones(1, 4), torch.ones(1, 4),
-        clip_low=None, clip_high=None, m2po_tau=0.04,
+        LossSpec(clip_low=None, clip_high=None, m2po_tau=0.04, weighting="token"),
     )  # fmt: skip
     assert loss.item() == approx(-0.75)
     assert stats["m2po_masked_fraction"] == 0.25 and stats["m2"] == approx(0.0625)
@@ -232,11 +237,11 @@ def test_kl_estimators_by_hand():
     for est, want in [("k1", 0.5), ("k2", 0.125), ("k3", 0.106531)]:
         loss, stats = policy_loss(
             logp, logp, None, z((1, 2)), torch.ones(1, 2),
-            ref_logp=z((1, 2)), kl_coef=1.0, kl_estimator=est,
+            LossSpec(kl_coef=1.0, kl_estimator=est), ref_logp=z((1, 2)),
         )  # fmt: skip
         assert loss.item() == approx(want) and stats["kl"] == approx(want)
     with pytest.raises(ValueError, match="ref_logp"):
-        policy_loss(logp, logp, None, z((1, 2)), torch.ones(1, 2), kl_coef=0.1)
+        policy_loss(logp, logp, None, z((1, 2)), torch.ones(1, 2), LossSpec(kl_coef=0.1))
 
 
 def test_aggregations_by_hand():
@@ -250,8 +255,16 @@ def test_aggregations_by_hand():
     with pytest.raises(ValueError, match="max_tokens"):
         aggregate(x, m, "seq_mean_token_sum_norm")
     # the policy loss with r = 1 is -agg(A)
-    loss, _ = policy_loss(z((2, 3)), z((2, 3)), None, x, m, agg="seq_mean_token_sum")
+    spec = LossSpec(weighting="completion", agg="sum")  # seq_mean_token_sum
+    loss, _ = policy_loss(z((2, 3)), z((2, 3)), None, x, m, spec)
     assert loss.item() == approx(-2.5)
+    # no spec = LossSpec() (GRPO's episode weighting): without weights each row is one unit,
+    # seq_mean_token_mean -(1 + 2) / 2; token weighting is the token mean -5 / 4
+    loss, _ = policy_loss(z((2, 3)), z((2, 3)), None, x, m)
+    assert loss.item() == approx(-1.5)
+    assert LossSpec().token_agg == "seq_mean_token_mean"
+    loss, _ = policy_loss(z((2, 3)), z((2, 3)), None, x, m, LossSpec(weighting="token"))
+    assert loss.item() == approx(-5 / 4)
     # explicit weights replace agg: sum(w * -A)
     w = torch.tensor([[0.1, 0.1, 0.1], [0.7, 0.0, 0.0]])
     loss, _ = policy_loss(z((2, 3)), z((2, 3)), None, x, m, weights=w)
@@ -267,10 +280,11 @@ def test_empty_batch_gives_zero_and_finite_grads():
 
 def test_bad_settings_are_refused():
     x = z((1, 2))
+    # settings are refused where they are made, before any data is seen
     with pytest.raises(ValueError, match="behaviour_correction"):
-        policy_loss(x, x, None, x, x, behaviour_correction="clamp")  # type: ignore[arg-type]
+        LossSpec(behaviour_correction="clamp")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sapo"):
-        policy_loss(x, x, None, x, x, sapo_tau_pos=1.0)
+        LossSpec(sapo_tau_pos=1.0)
     with pytest.raises(ValueError, match="shapes"):
         policy_loss(x, z((1, 3)), None, x, x)
 
@@ -381,7 +395,7 @@ def test_entropy_bonus_by_hand():
     ent = torch.tensor([[0.5, 1.5, 9.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     loss, stats = policy_loss(
-        logp, logp.detach(), None, torch.zeros(1), mask, entropy=ent, entropy_coef=0.2
+        logp, logp.detach(), None, torch.zeros(1), mask, LossSpec(entropy_coef=0.2), entropy=ent
     )
     assert loss.item() == approx(-0.2)
     assert stats["entropy"] == approx(1.0)
