@@ -5,7 +5,7 @@
     areal-agent eval --env ID [--episodes N --k K ...]    evaluate an agent, write a report
     ... [--ray [--ray-address HOST:PORT]]                 engines and rollouts on a Ray cluster
     areal-agent train [--config FILE] [a.b=c ...]         asynchronous RL
-    areal-agent demos --env ID --n N --out FILE            demonstrations for a warm start
+    areal-agent demos --env ID --n N --out FILE [--agent F] demonstrations for a warm start
     areal-agent envs                                      registered environments
     areal-agent worker --connect URL --agent MOD:FACTORY  run an agent for a trainer's tasks
 
@@ -72,15 +72,11 @@ def _build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate an agent on an environment")
     ev.add_argument("--env", required=True, help="environment id, e.g. areal/Calculator-v0")
     ev.add_argument("--env-kwargs", default="{}", help="JSON object of env constructor kwargs")
-    ev.add_argument(
-        "--agent",
-        default=None,
-        help="pkg.module:factory or path/to/file.py:factory returning an agent: an OpenAI "
+    _agent_args(
+        ev,
+        "pkg.module:factory or path/to/file.py:factory returning an agent: an OpenAI "
         "Agents SDK Agent, an (async) callable taking an AgentTask, or an object with async "
         "run(task) (default: the built-in env-driven tool-calling loop)",
-    )
-    ev.add_argument(
-        "--agent-kwargs", default="{}", help="JSON object of keyword arguments of the factory"
     )
     ev.add_argument(
         "--model", default=None, help="HF directory or hub id (default model if omitted)"
@@ -117,6 +113,16 @@ def _build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--seed", type=int, default=0)
     dm.add_argument("--kind", default=None, help="env-specific (calculator: arithmetic|word|mixed)")
     dm.add_argument("--out", required=True, help="JSONL file to write")
+    dm.add_argument("--env-kwargs", default="{}", help="JSON object of env constructor kwargs")
+    _agent_args(
+        dm,
+        "render the demonstrations the way this agent's prompts look (its messages "
+        "before the task, e.g. an Agents SDK agent's instructions, and its tool list, found by "
+        "running it once): pkg.module:factory or path/to/file.py:factory",
+    )
+    dm.add_argument(
+        "--model", default=None, help="the model whose chat template renders the agent's tools"
+    )
     dm.set_defaults(func=_demos)
 
     envs = sub.add_parser("envs", help="list the registered environments")
@@ -133,14 +139,11 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument(
         "--token", default=None, help="the trainer's worker token (default: $AREAL_WORKER_TOKEN)"
     )
-    wk.add_argument(
-        "--agent",
-        required=True,
-        help="pkg.module:factory or path/to/file.py:factory returning the agent: an OpenAI "
+    _agent_args(
+        wk,
+        "pkg.module:factory or path/to/file.py:factory returning the agent: an OpenAI "
         "Agents SDK Agent, an (async) callable taking a task, or an object with async run(task)",
-    )
-    wk.add_argument(
-        "--agent-kwargs", default="{}", help="JSON object of keyword arguments of the factory"
+        required=True,
     )
     wk.add_argument("--concurrency", type=int, default=1, help="tasks run at once")
     wk.add_argument(
@@ -320,10 +323,7 @@ def _eval(args: argparse.Namespace) -> int:
     from .evaluate import evaluate, write_outputs
 
     use_ray = _uses_ray(args)
-    try:
-        env_kwargs = json.loads(args.env_kwargs)
-    except ValueError as exc:
-        raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
+    env_kwargs = _json_object(args.env_kwargs, "--env-kwargs")
     make(args.env, **env_kwargs).close()  # unknown ids and bad kwargs fail before the model loads
     agent = _load_agent(args.agent, args.agent_kwargs, args.max_turns) if args.agent else None
     if not 0 < args.top_p <= 1 or args.top_k < 0:
@@ -417,17 +417,19 @@ def _ray_session(args: argparse.Namespace) -> Iterator[None]:
         yield
 
 
+def _agent_args(parser: argparse.ArgumentParser, what: str, *, required: bool = False) -> None:
+    """``--agent`` (``what`` is its help) and ``--agent-kwargs``."""
+    parser.add_argument("--agent", default=None, required=required, help=what)
+    parser.add_argument(
+        "--agent-kwargs", default="{}", help="JSON object of keyword arguments of the factory"
+    )
+
+
 def _load_agent(spec: str, kwargs_json: str = "{}", max_turns: int | None = None) -> Any:
     """``--agent`` (and ``--agent-kwargs``) as the runner's agent (see ``task_agent``)."""
     from .task_agent import load_agent
 
-    try:
-        kwargs = json.loads(kwargs_json)
-    except ValueError as exc:
-        raise ConfigError(f"--agent-kwargs is not valid JSON: {exc}") from None
-    if not isinstance(kwargs, dict):
-        raise ConfigError(f"--agent-kwargs must be a JSON object, got {kwargs_json!r}")
-    return load_agent(spec, kwargs, max_turns=max_turns)
+    return load_agent(spec, _json_object(kwargs_json, "--agent-kwargs"), max_turns=max_turns)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -447,9 +449,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _demos(args: argparse.Namespace) -> int:
+    """The env's demonstrations as JSONL rows ``{"messages": [...]}``; with ``--agent``, the
+    agent's leading messages are put before each and the row carries the agent's tool list
+    (``"tools"``), which a warm start renders them with."""
+    from pathlib import Path
+
     from envs.registry import make
 
-    env = make(args.env)
+    env_kwargs = _json_object(args.env_kwargs, "--env-kwargs")
+    env = make(args.env, **env_kwargs)
     maker = getattr(env.unwrapped, "demos", None)
     env.close()
     if maker is None:
@@ -459,14 +467,38 @@ def _demos(args: argparse.Namespace) -> int:
         )
     kwargs = {"kind": args.kind} if args.kind else {}
     rows = maker(args.n, seed=args.seed, **kwargs)
-    from pathlib import Path
+    prefix: list[dict[str, Any]] = []
+    tools = None
+    if args.agent:
+        from .chat import ChatTokenizer
+        from .model import resolve_model
+        from .task_agent import observe_prompt
 
+        agent = _load_agent(args.agent, args.agent_kwargs)
+        tokenizer = ChatTokenizer.from_dir(resolve_model(args.model))
+        prefix, tools = asyncio.run(
+            observe_prompt(agent, lambda: make(args.env, **env_kwargs), tokenizer, seed=args.seed)
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         for messages in rows:
-            f.write(json.dumps({"messages": messages}) + "\n")
-    print(f"wrote {len(rows)} demonstrations to {args.out}")
+            row: dict[str, Any] = {"messages": [*prefix, *messages]}
+            if tools is not None:
+                row["tools"] = tools
+            f.write(json.dumps(row) + "\n")
+    how = f" as agent {args.agent} prompts ({len(tools or [])} tools)" if args.agent else ""
+    print(f"wrote {len(rows)} demonstrations{how} to {args.out}")
     return 0
+
+
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {text!r}")
+    return value
 
 
 def _worker(args: argparse.Namespace) -> int:

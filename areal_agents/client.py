@@ -60,7 +60,16 @@ import httpx
 
 from .errors import ArealError, UserError
 
-__all__ = ["AgentWorker", "RemoteTool", "RemoteToolResult", "TaskGone", "WorkerError", "WorkerTask"]
+__all__ = [
+    "AgentWorker",
+    "RemoteTool",
+    "RemoteToolResult",
+    "TaskGone",
+    "TrainerSession",
+    "TrainerSessions",
+    "WorkerError",
+    "WorkerTask",
+]
 
 _log = logging.getLogger("areal_agents.client")
 _TRACING_ENV = "OPENAI_AGENTS_DISABLE_TRACING"
@@ -530,6 +539,115 @@ async def _watch(stop: _Stop | None, stopped: asyncio.Event) -> None:
     while not stop.is_set():
         await asyncio.sleep(0.05)
     stopped.set()
+
+
+# ---------------------------------------------------------------------- self-rewarded
+@dataclass(frozen=True)
+class TrainerSession:
+    """A session opened for a self-rewarded run: the agent calls the model with ``api_key``
+    at ``base_url``; rewards and the end go through :class:`TrainerSessions`."""
+
+    id: str
+    api_key: str
+    base_url: str
+    group: str
+
+    def openai_client(self, **kwargs: Any) -> Any:
+        """``openai.AsyncOpenAI`` on this session (needs the ``openai`` package)."""
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+
+class TrainerSessions:
+    """The service side of a self-rewarded run (``rollout.agents: self_rewarded``): open a
+    session per episode under a ``group`` (the trainer trains on groups of
+    ``rollout.group_size`` sessions that answer the same request), let the agent call the
+    model with the session's key, post its rewards and end it::
+
+        sessions = TrainerSessions("http://trainer:8000", token)
+        s = await sessions.open(group="req-17", task_id="req-17")
+        answer = await my_agent(s.openai_client(), request)
+        await sessions.reward(s, score(answer), final=True)
+        await sessions.end(s)
+
+    :meth:`open` waits while the trainer has no room for a new group (429 + Retry-After:
+    its staleness gate) up to ``wait_s``; other refusals raise :class:`WorkerError` (a wrong
+    token) or :class:`TaskGone` (the group is full or finished; the session has ended).
+
+    Args:
+        url: The trainer's proxy URL (``http://host:port``; a trailing ``/v1`` is dropped).
+        token: The worker token the trainer was started with.
+        request_timeout_s: Timeout of one request.
+    """
+
+    def __init__(self, url: str, token: str, *, request_timeout_s: float = 60.0) -> None:
+        if not token:
+            raise ValueError("TrainerSessions needs the trainer's worker token")
+        url = url.rstrip("/")
+        self.url = url[: -len("/v1")] if url.endswith("/v1") else url
+        self._link = _Link(self.url, token, request_timeout_s)
+
+    async def open(
+        self,
+        group: str,
+        *,
+        task_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        wait_s: float = 600.0,
+    ) -> TrainerSession:
+        """A new session in ``group``, once the trainer admits it (see the class)."""
+        body: dict[str, Any] = {"group": group, "task_id": task_id, "metadata": metadata}
+        deadline = time.monotonic() + wait_s
+        while True:
+            response = await self._link.post("/sessions", body)
+            if response.status_code == 200:
+                data = response.json()
+                return TrainerSession(data["id"], data["api_key"], data["base_url"], group)
+            message, _ = _error_of(response)
+            left = deadline - time.monotonic()
+            if response.status_code == 429 and left > 0:
+                await asyncio.sleep(min(_retry_after(response, 30.0), left))
+                continue
+            raise self._refused(response, f"POST /sessions (group {group!r})", message)
+
+    async def reward(
+        self,
+        session: TrainerSession | str,
+        value: float,
+        *,
+        completion_id: str | None = None,
+        final: bool = False,
+    ) -> None:
+        """Reward the session's latest completion, ``completion_id``, or (``final``) the
+        whole episode."""
+        body = {"value": value, "completion_id": completion_id, "final": final}
+        await self._manage(session, "rewards", body)
+
+    async def end(
+        self,
+        session: TrainerSession | str,
+        *,
+        final_reward: float | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """End the episode: the trainer takes it (no reward after this). ``reason`` other
+        than terminated / truncated marks it failed (dropped from training, counted)."""
+        await self._manage(session, "end", {"final_reward": final_reward, "reason": reason})
+
+    async def _manage(self, session: TrainerSession | str, what: str, body: dict[str, Any]) -> None:
+        sid = session if isinstance(session, str) else session.id
+        payload = {k: v for k, v in body.items() if v is not None}
+        response = await self._link.post(f"/sessions/{sid}/{what}", payload)
+        if response.status_code != 200:
+            message, _ = _error_of(response)
+            raise self._refused(response, f"POST /sessions/{sid}/{what}", message)
+
+    @staticmethod
+    def _refused(response: httpx.Response, what: str, message: str) -> ArealError:
+        if response.status_code in (404, 409):
+            return TaskGone(f"{what}: {message}")
+        return WorkerError(f"{what} answered {response.status_code}: {message}")
 
 
 def _retry_after(response: httpx.Response, cap: float) -> float:

@@ -30,6 +30,13 @@ and read its session and trajectory; ``/rewards``, ``/end`` and ``DELETE`` then 
 key or a privileged key (``privileged_keys``; the worker hub registers its token there), and a
 session key gets a 403 saying so, so an agent cannot post itself a reward. Privileged keys
 reach every session's endpoints, like the admin key, but do not call the model.
+
+Sessions from outside (``session_hooks``): a trainer that trains on whole sessions opened by
+a service (self-rewarded training: the service opens a session per episode with a ``group``,
+posts its rewards and ends it) plugs a :class:`SessionHooks` in. ``POST /sessions`` then needs
+the admin key or a privileged key, the hooks may refuse it (429 with ``Retry-After`` while
+the trainer has no room for a new group, 409 for a group that is full), and they see each
+session when it opens and when it ends (``/end``, or ``DELETE`` before ``/end``).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -58,6 +65,42 @@ from .trajectory import Completion
 M = TypeVar("M", bound=BaseModel)
 
 
+AGENT_HEADER = "X-Areal-Agent"
+"""Request header naming the agent that makes a model call (URL-quoted UTF-8)."""
+
+
+def agent_name(request: Request) -> str | None:
+    """The calling agent's name from :data:`AGENT_HEADER`, or None; a 400 when unusable."""
+    raw = request.headers.get(AGENT_HEADER)
+    if raw is None:
+        return None
+    from urllib.parse import unquote
+
+    try:
+        name = unquote(raw, errors="strict")
+    except UnicodeDecodeError:
+        name = ""
+    if not name.strip() or len(name) > 256 or not name.isprintable():
+        raise ApiError(
+            400,
+            f"header {AGENT_HEADER}: expected an agent name (1-256 printable characters, "
+            f"URL-quoted UTF-8), got {raw[:80]!r}",
+            param=AGENT_HEADER,
+        )
+    return name
+
+
+class SessionHooks(Protocol):
+    """What takes sessions opened from outside (see the module docstring). Called in the
+    proxy's event loop; ``admit`` refuses a session by raising :class:`ApiError`."""
+
+    def admit(self, body: SessionCreate) -> None: ...
+
+    def opened(self, session: Session) -> None: ...
+
+    def ended(self, session: Session) -> None: ...
+
+
 class ApiError(Exception):
     """An error answered to the client in the OpenAI error format."""
 
@@ -69,6 +112,7 @@ class ApiError(Exception):
         kind: str = "invalid_request_error",
         code: str | None = None,
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = (
@@ -78,6 +122,7 @@ class ApiError(Exception):
             code,
             param,
         )
+        self.headers = dict(headers or {})
 
     def response(self) -> JSONResponse:
         body = {
@@ -88,7 +133,7 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers or None)
 
 
 class Proxy:
@@ -113,6 +158,8 @@ class Proxy:
         default_max_tokens: int = 1024,
         self_rewarding: bool = True,
         privileged_keys: Iterable[str] = (),
+        session_hooks: SessionHooks | None = None,
+        open_sessions: bool = True,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -120,6 +167,10 @@ class Proxy:
         self.self_rewarding = self_rewarding
         self.privileged_keys: set[str] = {k for k in privileged_keys if k}
         """Keys that may manage any session (rewards, end, delete), like the admin key."""
+        self.session_hooks = session_hooks
+        self.open_sessions = open_sessions and session_hooks is None
+        """Whether ``POST /sessions`` is open to any caller (without an admin key); else it
+        needs the admin key or a privileged key (training: the trainer opens the sessions)."""
         self.model_name = model_name or engine.model_name
         self.public_url = public_url.rstrip("/") if public_url else None
         self.default_max_tokens = default_max_tokens
@@ -241,14 +292,34 @@ class Proxy:
         }
 
     async def create_session(self, request: Request) -> dict[str, Any]:
-        if self.admin_key and not self._is_admin(self._bearer(request)):
+        hooks, key = self.session_hooks, self._bearer(request)
+        trusted = bool(key) and (self._is_admin(key) or self._is_privileged(key or ""))
+        if hooks is not None and not trusted:
+            raise ApiError(
+                401,
+                "POST /sessions needs the worker token in this run (its sessions are "
+                "trained on): send 'Authorization: Bearer <worker token>'",
+                kind="authentication_error",
+            )
+        if hooks is None and not self.open_sessions and not trusted:
+            raise ApiError(
+                401,
+                "this proxy opens its sessions itself (a training run): POST /sessions needs "
+                "its admin key or worker token",
+                kind="authentication_error",
+            )
+        if hooks is None and self.admin_key and not self._is_admin(key) and not trusted:
             raise ApiError(
                 401, "POST /sessions needs the proxy's admin key", kind="authentication_error"
             )
         body = await _parse(request, SessionCreate, allow_empty=True)
+        if hooks is not None:
+            hooks.admit(body)  # may refuse: no room for a new group, a full group
         session = self.sessions.create(
             group_id=body.group_id, task_id=body.task_id, metadata=body.metadata
         )
+        if hooks is not None:
+            hooks.opened(session)
         base = self.public_url or str(request.base_url).rstrip("/")
         return {"id": session.id, "api_key": session.api_key, "base_url": f"{base}/v1"}
 
@@ -265,12 +336,16 @@ class Proxy:
         }
 
     async def delete_session(self, session_id: str, request: Request) -> dict[str, Any]:
-        self._session_for(request, session_id, manage=True)
+        session = self._session_for(request, session_id, manage=True)
+        if self.session_hooks is not None and not session.closed:
+            self.sessions.end(session, reason="deleted")
+            self.session_hooks.ended(session)
         self.sessions.remove(session_id)
         return {"id": session_id, "deleted": True}
 
     async def add_reward(self, session_id: str, request: Request) -> dict[str, Any]:
         session = self._session_for(request, session_id, manage=True)
+        self._check_open_for_hooks(session, "rewards")
         body = await _parse(request, RewardIn)
         try:
             target = self.sessions.add_reward(
@@ -284,12 +359,26 @@ class Proxy:
             raise ApiError(400 if not isinstance(exc, SessionError) else 404, str(exc)) from None
         return {"session_id": session.id, "completion_id": target, "final": body.final}
 
+    def _check_open_for_hooks(self, session: Session, what: str) -> None:
+        """Sessions from outside go to training when they end: nothing changes them after."""
+        if self.session_hooks is not None and session.closed:
+            raise ApiError(
+                409,
+                f"session {session.id} has ended and its episode went to training; post "
+                f"{what} before POST /sessions/{{id}}/end",
+                kind="conflict_error",
+            )
+
     async def end_session(self, session_id: str, request: Request) -> dict[str, Any]:
         session = self._session_for(request, session_id, manage=True)
+        self._check_open_for_hooks(session, "an end")
         body = await _parse(request, EndIn, allow_empty=True)
+        was_open = not session.closed
         self.sessions.end(
             session, final_reward=body.final_reward, reason=body.reason, error=body.error
         )
+        if self.session_hooks is not None and was_open:
+            self.session_hooks.ended(session)
         return {"id": session.id, "ended": True, "end_reason": session.episode.end_reason}
 
     async def trajectory(
@@ -304,7 +393,7 @@ class Proxy:
     async def chat_completions(self, request: Request) -> Response:
         session = self._model_caller(request)
         req = await _parse(request, ChatCompletionRequest)
-        body = await self.complete(session, req)
+        body = await self.complete(session, req, agent=agent_name(request))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_sse(body, include_usage), media_type="text/event-stream")
@@ -314,12 +403,18 @@ class Proxy:
         from .responses import ResponsesRequest, respond  # responses.py builds on this module
 
         session = self._model_caller(request)
-        return await respond(self, session, await _parse(request, ResponsesRequest))
+        req = await _parse(request, ResponsesRequest)
+        return await respond(self, session, req, agent=agent_name(request))
 
     async def complete(
-        self, session: Session | None, request: ChatCompletionRequest | dict[str, Any]
+        self,
+        session: Session | None,
+        request: ChatCompletionRequest | dict[str, Any],
+        *,
+        agent: str | None = None,
     ) -> dict[str, Any]:
-        """One chat completion, recorded into ``session`` (None: not recorded).
+        """One chat completion, recorded into ``session`` (None: not recorded); ``agent``
+        names the agent that made the call (:attr:`Completion.agent`).
 
         The HTTP endpoint and in-process callers (the episode runner) share this path.
         Raises :class:`ApiError` for anything the caller must fix.
@@ -332,7 +427,7 @@ class Proxy:
         messages = [_message_dict(m) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prompt_ids = self._encode(messages, tools if req.tool_choice != "none" else None, req)
-        params = self._sampling(req, len(prompt_ids))
+        params = self._sampling(req, len(prompt_ids), session)
         self.counters["chat_calls"] += 1
         started = time.time()
         results = await self._generate(session, prompt_ids, params, req.n)
@@ -345,6 +440,7 @@ class Proxy:
                 i, cid, result, req, messages, tools, tool_names, prompt_ids, params, started
             )
             choices.append(choice)
+            completion.agent = agent
             if session is not None and not session.closed:
                 self.sessions.record(session, completion)
                 self.counters["recorded_completions"] += 1
@@ -387,15 +483,32 @@ class Proxy:
             )
         return ids
 
-    def _sampling(self, req: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+    def _sampling(
+        self, req: ChatCompletionRequest, prompt_len: int, session: Session | None = None
+    ) -> SamplingParams:
+        """The request's sampling; what it leaves unset comes from the session's defaults
+        (:attr:`Session.sampling`), then the server's (temperature 1, no top-p/top-k cut,
+        ``default_max_tokens``)."""
+        defaults = session.sampling if session is not None else {}
         room = self.max_context - prompt_len
-        asked = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
+        asked = (
+            req.max_completion_tokens
+            or req.max_tokens
+            or defaults.get("max_tokens")
+            or self.default_max_tokens
+        )
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        asked_for: dict[str, Any] = {
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+        }
+        given = {k: defaults.get(k) if v is None else v for k, v in asked_for.items()}
         try:
             return SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=max(0, req.top_k or 0),
+                temperature=1.0 if given["temperature"] is None else float(given["temperature"]),
+                top_p=1.0 if given["top_p"] is None else float(given["top_p"]),
+                top_k=max(0, int(given["top_k"] or 0)),
                 max_new_tokens=max(1, min(asked, room)),
                 stop_token_ids=tuple(self.tokenizer.eos_token_ids),
                 stop=stop,

@@ -190,8 +190,11 @@ class ResponsesRequest(_Wire):
 
 
 # ---------------------------------------------------------------------- the endpoint
-async def respond(proxy: Proxy, session: Session | None, req: ResponsesRequest) -> HttpResponse:
-    """Answer one ``POST /v1/responses`` (recorded into ``session``; None: not recorded)."""
+async def respond(
+    proxy: Proxy, session: Session | None, req: ResponsesRequest, *, agent: str | None = None
+) -> HttpResponse:
+    """Answer one ``POST /v1/responses`` (recorded into ``session``; None: not recorded;
+    ``agent`` names the calling agent)."""
     _refuse_server_state(req)
     prior = _prior_conversation(session, req.previous_response_id)
     turn = input_messages(req.input, session)
@@ -203,7 +206,7 @@ async def respond(proxy: Proxy, session: Session | None, req: ResponsesRequest) 
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     chat = chat_request(req, [*system, *prior, *turn], tools)
     proxy.counters["responses_calls"] += 1
-    body = await proxy.complete(session, chat)
+    body = await proxy.complete(session, chat, agent=agent)
     choice = body["choices"][0]
     response = response_object(req, body, time.time())
     if session is not None and req.store is not False:

@@ -102,8 +102,9 @@ class Runner:
     ``sampling`` (temperature, top_p, top_k, max_tokens) goes into every env-driven model
     call; ``sampling_by_kind`` overrides it per task kind, matched against the ``kind`` of
     the env's reset info (``{"arithmetic": {"temperature": 1.0}}``). Each completion records
-    the sampling it was made with, which the trainer scores it at. Agent-driven episodes
-    sample as the agent asks.
+    the sampling it was made with, which the trainer scores it at. In agent-driven episodes
+    the same values are the session's defaults: the agent's calls sample as they ask, and
+    what they leave unset (no ``temperature``, say) comes from here.
     """
 
     def __init__(
@@ -240,7 +241,7 @@ class Runner:
         obs, info = await self._reset(env, session, seed, options, state)
         messages = list(obs)
         tools = info.get("tools") or None
-        sampling = {**self.sampling, **self.sampling_by_kind.get(str(info.get("kind")), {})}
+        sampling = self._sampling_for(info)
         for turn in range(self.max_turns):
             body: dict[str, Any] = {
                 "model": self.proxy.model_name,
@@ -283,6 +284,8 @@ class Runner:
         if self.base_url is None:
             raise UserError("agent-driven episodes need Runner(base_url=<proxy /v1 URL>)")
         obs, info = await self._reset(env, session, seed, options, state)
+        # The agent's calls that set no sampling of their own sample as the run says.
+        session.sampling = self._sampling_for(info)
         task = AgentTask(
             messages=list(obs),
             tools=list(env.tools()),
@@ -314,6 +317,10 @@ class Runner:
         state["success"] = score_info.get("success")
         ep.final_reward = (ep.final_reward or 0.0) + float(reward)
         return "terminated"
+
+    def _sampling_for(self, info: dict[str, Any]) -> dict[str, Any]:
+        """The run's sampling with the overrides of the task's kind (``info["kind"]``)."""
+        return {**self.sampling, **self.sampling_by_kind.get(str(info.get("kind")), {})}
 
     async def _reset(
         self,

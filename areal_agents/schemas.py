@@ -115,8 +115,18 @@ class ChatCompletionRequest(BaseModel):
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     group_id: str | None = None
+    group: str | None = None
+    """The same as ``group_id`` (the name self-rewarded workers use); give one or both equal."""
     task_id: str | None = None
     metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_group(self) -> SessionCreate:
+        if self.group is not None and self.group_id is not None and self.group != self.group_id:
+            raise ValueError("group and group_id differ; send one of them")
+        if self.group_id is None:
+            self.group_id = self.group
+        return self
 
 
 class RewardIn(BaseModel):

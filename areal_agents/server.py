@@ -22,6 +22,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+"""Hosts that listen on every interface: no client can connect to them by that name, so a
+proxy serving on one takes its public URL from each request (what the client reached)."""
+
+
+def _public_url(proxy: Proxy, host: str, port: int) -> None:
+    if proxy.public_url is None and host not in WILDCARD_HOSTS:
+        proxy.public_url = f"http://{host}:{port}"
+
+
 class _Addressed:
     """``url`` and ``base_url`` of a server listening on ``host:port``."""
 
@@ -60,8 +70,7 @@ class ProxyServer(_Addressed):
         cls, proxy: Proxy, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0
     ) -> ProxyServer:
         port = port or free_port(host)
-        if proxy.public_url is None:
-            proxy.public_url = f"http://{host}:{port}"
+        _public_url(proxy, host, port)
         config = uvicorn.Config(
             proxy.app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
         )
@@ -88,7 +97,7 @@ class ProxyServer(_Addressed):
 
 def serve_forever(proxy: Proxy, host: str, port: int) -> None:
     """Serve in the foreground until interrupted (used by ``areal-agent serve``)."""
-    proxy.public_url = proxy.public_url or f"http://{host}:{port}"
+    _public_url(proxy, host, port)
     config = uvicorn.Config(proxy.app, host=host, port=port, log_level="info", access_log=False)
     server = uvicorn.Server(config)
     # uvicorn shuts down on SIGTERM and then raises the signal again; as SystemExit (not
@@ -123,8 +132,7 @@ class LoopServer(_Addressed):
         self.proxy = proxy
         self.host = host
         self.port = port or free_port(host)
-        if proxy.public_url is None:
-            proxy.public_url = self.url
+        _public_url(proxy, host, self.port)
         config = uvicorn.Config(
             proxy.app,
             host=host,

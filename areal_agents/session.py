@@ -20,6 +20,10 @@ class Session:
     api_key: str
     episode: Episode
     created_at: float = field(default_factory=time.time)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Defaults for this session's model calls that set none of their own: ``temperature``,
+    ``top_p``, ``top_k``, ``max_tokens`` (the runner sets the run's sampling, per task kind,
+    so an agent that leaves sampling to the server samples as the config says)."""
 
     @property
     def closed(self) -> bool:

@@ -56,6 +56,10 @@ class Completion:
     parent_id: str | None = None
     reward: float = 0.0
     """Sum of the per-turn rewards attached to this completion."""
+    agent: str | None = None
+    """The agent that made the call, as its request named it (header ``X-Areal-Agent``;
+    ``run_agent`` sends the name of the SDK agent whose turn it is). ``agent.train`` picks
+    the agents whose completions are trained."""
 
     @property
     def tool_call_ids(self) -> list[str]:

@@ -57,6 +57,7 @@ import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -305,7 +306,7 @@ class WorkerHub:
         self.counters["polls"] += 1
         handle = await self._take(wait, body.worker_id or "anonymous", request)
         if handle is not None:
-            return JSONResponse(self._payload(handle))
+            return JSONResponse(self._payload(handle, request))
         if self._closed:
             raise ApiError(503, "the trainer is shutting down; no more tasks", kind="server_error")
         self.counters["polls_429"] += 1
@@ -378,11 +379,14 @@ class WorkerHub:
         for loop, waiter in pollers:
             _call_soon(loop, _resolve, waiter)
 
-    def _payload(self, handle: _Handle) -> dict[str, Any]:
+    def _payload(self, handle: _Handle, request: Request) -> dict[str, Any]:
         task = handle.task
+        base_url = task.base_url
+        if urlsplit(base_url).hostname in ("0.0.0.0", "::"):  # serving on every interface:
+            base_url = f"{str(request.base_url).rstrip('/')}/v1"  # the address the worker reached
         return {
             "id": handle.id,
-            "session": {"id": task.session_id, "api_key": task.api_key, "base_url": task.base_url},
+            "session": {"id": task.session_id, "api_key": task.api_key, "base_url": base_url},
             "model": task.model,
             "messages": _json_safe(list(task.messages)),
             "tools": [_json_safe(_schema(t)) for t in task.tools],

@@ -4,9 +4,11 @@ For each run directory (``areal-agent train ... train.output_dir=DIR``) every ch
 ``DIR/checkpoints/step-N`` is evaluated greedily with ``areal-agent eval`` on the *test* split
 of the run's env (the run's own ``config.yaml`` gives the env, its kwargs, the model and the
 token / turn limits; the checkpoint's LoRA adapter is applied with ``--adapter``). Step 0 is
-the warm-started model when the run had ``sft.enabled``. The model runs in the run's
-``model.dtype`` (``auto`` resolved on this machine as for the engine during training; the
-resolved dtype is part of the cached request, so a report made in another dtype is redone).
+the warm-started model when the run had ``sft.enabled``. A run that trained an agent
+(``agent.factory``) is evaluated with that agent (``--agent``, its kwargs, greedy). The model
+runs in the run's ``model.dtype`` (``auto`` resolved on this machine as for the engine
+during training; the resolved dtype is part of the cached request, so a report made in
+another dtype is redone).
 The x axis is the run's wall-clock time when the checkpoint was written (``state.json:
 elapsed_s``, warm start included); evaluation time is not part of it.
 
@@ -47,7 +49,15 @@ def eval_request(
     from areal_agents.hardware import default_device, resolve_dtype
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
+    agent = cfg.get("agent") or {}
+    request: dict[str, Any] = {}
+    if agent.get("factory"):  # the run trained an agent: evaluate the same agent, greedy
+        kwargs = dict(agent.get("kwargs") or {})
+        if "temperature" in kwargs:
+            kwargs["temperature"] = 0
+        request = {"agent": agent["factory"], "agent_kwargs": kwargs}
     return {
+        **request,
         "env": cfg["env"]["id"],
         "env_kwargs": {**(cfg["env"].get("kwargs") or {}), **(overrides or {}), "split": "test"},
         "model": cfg["model"].get("path"),
@@ -81,6 +91,8 @@ def evaluate(
     cmd += ["--env-kwargs", json.dumps(request["env_kwargs"]), "--adapter", str(ckpt / "model")]
     for flag in ("episodes", "seed", "temperature", "max_tokens", "max_turns", "dtype"):
         cmd += [f"--{flag.replace('_', '-')}", str(request[flag])]
+    if "agent" in request:
+        cmd += ["--agent", request["agent"], "--agent-kwargs", json.dumps(request["agent_kwargs"])]
     cmd += ["--concurrency", str(concurrency), "--out", str(out)]
     if request["model"]:
         cmd += ["--model", request["model"]]

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from areal_agents.trajectory import Completion, Episode
+from areal_agents.trajectory import Completion, Episode, TrainingSample
 
 from .advantage import completion_returns
 from .algorithms import AlgorithmSpec, OverlongSpec
@@ -52,11 +53,16 @@ def build_batch(
     gamma: float,
     max_tokens: int,
     temperature: float = 1.0,
+    trained_agents: Collection[str] = (),
 ) -> tuple[Batch, dict[str, float]]:
     """Training samples with per-token advantages and batch-normalized loss weights.
 
     ``temperature``: for completions that recorded none (the proxy records the one each call
     used; ``Batch.temps``).
+
+    ``trained_agents`` (``agent.train``): when given, the tokens of completions made by any
+    other agent (``Completion.agent``) are masked out: they stay in the prompts of later
+    turns and in the returns, but carry no loss and no weight (``masked_completions``).
 
     With a critic (PPO) the advantages are left at 0 and ``batch.gae`` is set: pass the
     critic's values to ``add_gae``. With ``spec.overlong`` (DAPO) each completion's reward
@@ -73,9 +79,15 @@ def build_batch(
     seqs, tcs, sample_eps = [], [], []
     out = Batch([], [], [], [], [], [], [], gae=GaeInputs() if spec.needs_critic else None)
     merged = eligible = 0
+    trained = set(trained_agents)
+    masked_completions = 0
     for ep in episodes:
         temp_of = {c.id: _sampled_at(c, temperature) for c in ep.completions}
+        masked = {c.id for c in ep.completions if trained and c.agent not in trained}
+        masked_completions += len(masked)
         samples, merges = ep.samples(gamma)
+        if masked:
+            samples = [_masked(s, masked) for s in samples]
         merged += sum(1 for m in merges if m["merged"])
         eligible += sum(1 for m in merges if m["reason"] != "root")
         if out.gae is not None:
@@ -113,7 +125,25 @@ def build_batch(
         "samples": len(seqs),
         **overlong,
     }
+    if trained:
+        stats["masked_completions"] = masked_completions
     return out, stats
+
+
+def _masked(sample: TrainingSample, masked: set[str]) -> TrainingSample:
+    """``sample`` with the tokens of the ``masked`` completions out of the loss: mask 0 and
+    completion index -1 (as for prompt tokens)."""
+    off = {k for k, cid in enumerate(sample.completion_ids) if cid in masked}
+    if not off:
+        return sample
+    drop = [k in off for k in sample.token_completion]
+    return dataclasses.replace(
+        sample,
+        loss_mask=[0 if d else m for m, d in zip(sample.loss_mask, drop, strict=True)],
+        token_completion=[
+            -1 if d else k for k, d in zip(sample.token_completion, drop, strict=True)
+        ],
+    )
 
 
 def _sampled_at(c: Completion, default: float) -> float:

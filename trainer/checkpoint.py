@@ -78,20 +78,31 @@ def restore_checkpoint(out: Path, policy: Any, critic: Any = None) -> RunState |
     return state
 
 
-def append_ledger(out: Path, step: int, groups: Sequence[tuple[int, list[Any]]]) -> None:
+def append_ledger(
+    out: Path,
+    step: int,
+    groups: Sequence[tuple[int, list[Any]]],
+    trained_agents: Sequence[str] = (),
+) -> None:
     """One ledger line per group consumed by ``step``: its number, episode count, the
     episodes' session ids and the ids of the completions trained on (so a run can be
-    audited against what its agents recorded: nothing lost, nothing trained twice)."""
+    audited against what its agents recorded: nothing lost, nothing trained twice); with
+    ``trained_agents`` (``agent.train``) the other agents' completions are listed apart,
+    as ``masked``."""
+    keep = set(trained_agents)
     with (out / "groups.jsonl").open("a") as f:
         for g, eps in groups:
+            calls = [c for r in eps for c in r.episode.completions]
             row = {
                 "step": step,
                 "group": g,
                 "episodes": len(eps),
                 "sessions": [r.episode.session_id for r in eps],
-                "completions": [c.id for r in eps for c in r.episode.completions],
+                "completions": [c.id for c in calls if not keep or c.agent in keep],
                 "rewards": [r.reward for r in eps],
             }
+            if keep:
+                row["masked"] = [c.id for c in calls if c.agent not in keep]
             f.write(json.dumps(row) + "\n")
 
 

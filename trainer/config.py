@@ -68,8 +68,10 @@ class _Checked:
 class EnvConfig(_Checked):
     """Which environment to train on."""
 
-    id: str
-    """Registered environment id, e.g. ``areal/Math-v0`` (see ``areal-agent envs``)."""
+    id: str | None = None
+    """Registered environment id, e.g. ``areal/Math-v0`` (see ``areal-agent envs``).
+    Required, except in self-rewarded runs (``rollout.agents: self_rewarded``), which have
+    no env."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for ``make(id, **kwargs)``."""
     split: str = "train"
@@ -139,7 +141,8 @@ class SamplingConfig(_Checked):
 
     temperature: float = 1.0
     """Softmax temperature, > 0 (greedy decoding gives a group no variance to learn from).
-    Agents (``agent``, external workers) sample as their own calls ask."""
+    Agents (``agent``, external workers) sample as their own calls ask; these values (and
+    ``by_kind``) fill in what their calls leave unset."""
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]."""
     top_k: int = 0
@@ -215,10 +218,12 @@ class RolloutConfig(_Checked):
     """Wall-clock limit of one episode; None = no limit."""
     gamma: float = 1.0
     """Discount of later rewards along the completion tree (PPO: once per turn), in [0, 1]."""
-    agents: Literal["local", "external"] = "local"
+    agents: Literal["local", "external", "self_rewarded"] = "local"
     """Where episodes run: in this process (the model drives the env, or the ``agent``
     section's agent), or ``external``: agents in their own processes pull tasks from the
-    worker API (the ``workers`` section) and call the proxy themselves."""
+    worker API (the ``workers`` section) and call the proxy themselves, or
+    ``self_rewarded``: no env; a service opens sessions in groups with the worker token,
+    posts their rewards and ends them (see ``trainer.rollout.SessionSource``)."""
     probe_size: int = 0
     """Dynamic sampling with a probe (``algorithm: dapo``): sample this many episodes of a
     group first and drop the group there when their rewards are all equal, before the other
@@ -434,6 +439,11 @@ class AgentConfig(_Checked):
     None = env-driven."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the factory."""
+    train: tuple[str, ...] = ()
+    """In a multi-agent run (handoffs, sub-agents), the names of the agents whose
+    completions are trained; the others' are recorded but masked out of the loss. Each
+    completion carries the name its call sent (``run_agent`` names the SDK agent whose turn
+    it is); completions without a name are masked too once this is set. Empty = all."""
 
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
         f = self.factory
@@ -444,7 +454,8 @@ class AgentConfig(_Checked):
 
 @dataclass(frozen=True)
 class WorkersConfig(_Checked):
-    """The worker API that external agents pull tasks from (``rollout.agents: external``)."""
+    """The worker API: external agents pull tasks from it (``rollout.agents: external``), a
+    self-rewarded service opens sessions with its token (``self_rewarded``)."""
 
     host: str = "127.0.0.1"
     """Interface the proxy and the worker API listen on (0.0.0.0 for other machines)."""
@@ -496,9 +507,36 @@ class TrainConfig(_Checked):
     agent: AgentConfig = field(default_factory=AgentConfig)
     """The user's agent in this process; none = the model drives the env."""
     workers: WorkersConfig = field(default_factory=WorkersConfig)
-    """The worker API of external agents (``rollout.agents: external``)."""
+    """The worker API of external agents and self-rewarded services (``rollout.agents``)."""
     scheduler: Literal["local", "ray"] = "local"
     """Run every component in this process (local) or spread them over Ray."""
+
+    def _self_rewarded_problems(self) -> list[str]:
+        """``rollout.agents: self_rewarded`` has no env and no task handout: the keys that
+        only those use would do nothing."""
+        out = []
+        if self.env.id is not None:
+            out.append(
+                "env.id: a self-rewarded run takes its episodes and rewards from the sessions "
+                "a service opens; remove the env section, or use rollout.agents=external to "
+                "have the env hand out tasks and score them"
+            )
+        if self.rollout.probe_size:
+            out.append("rollout.probe_size: a self-rewarded run has no probe; set it to 0")
+        if self.sft.enabled and self.sft.generate:
+            out.append(
+                "sft.generate: needs an env's demos(); give sft.demos (JSONL) in a "
+                "self-rewarded run"
+            )
+        base = WorkersConfig()
+        for name in ("heartbeat_timeout_s", "on_lost"):
+            if getattr(self.workers, name) != getattr(base, name):
+                out.append(
+                    f"workers.{name}: applies to tasks handed out to external workers, and a "
+                    "self-rewarded run hands out none (rollout.episode_timeout_s bounds a "
+                    "group); remove it"
+                )
+        return out
 
     def _problems(self) -> list[str]:
         """Checks that span sections (each section checks itself), with full keys."""
@@ -529,20 +567,31 @@ class TrainConfig(_Checked):
                 f"correction; set loss.behaviour_correction=clip (or mask), or "
                 f"rollout.max_head_offpolicyness=0 for synchronous training"
             )
-        external = self.rollout.agents == "external"
-        if not external and self.workers != WorkersConfig():
+        agents = self.rollout.agents
+        self_rewarded = agents == "self_rewarded"
+        if agents == "local" and self.workers != WorkersConfig():
             out.append(
                 "workers: set, but rollout.agents is 'local'; set rollout.agents=external "
                 "to serve the worker API, or remove the workers section"
             )
-        if external and self.agent.factory is not None:
+        if self.env.id is None and not self_rewarded:
+            out.append("env.id: required, but missing")
+        if self_rewarded:
+            out.extend(self._self_rewarded_problems())
+        if self.agent.train and agents == "local" and self.agent.factory is None:
+            out.append(
+                "agent.train: picks among the agents of agent-driven episodes, but the model "
+                "drives the env here; set agent.factory (or rollout.agents=external), or "
+                "remove agent.train"
+            )
+        if agents != "local" and self.agent.factory is not None:
             out.append(
                 "agent.factory: external agents bring their own code (areal-agent worker "
                 "--agent ...); remove agent.factory or set rollout.agents=local"
             )
-        if external and self.scheduler == "ray":
+        if agents != "local" and self.scheduler == "ray":
             out.append(
-                "rollout.agents: external workers connect to this process's worker API; "
+                f"rollout.agents: {agents} workers connect to this process's worker API; "
                 "use scheduler=local with them (the workers themselves may run anywhere)"
             )
         total = self.optim.total_steps or self.train.steps
@@ -780,7 +829,8 @@ def dump_yaml(cfg: TrainConfig, path: str | os.PathLike[str]) -> None:
 def format_config(cfg: TrainConfig) -> str:
     """The resolved config as YAML (for ``--dry-run``), ending with what differs from defaults."""
     text = yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
-    now, base = _flatten(to_dict(cfg)), to_dict(TrainConfig(env=EnvConfig(id=cfg.env.id)))
+    defaults = _build(TrainConfig, {"env": {"id": cfg.env.id}}, "", [])  # not validated
+    now, base = _flatten(to_dict(cfg)), to_dict(defaults)
     changed = ", ".join(f"{k} (default {v!r})" for k, v in _flatten(base).items() if now[k] != v)
     return text + "# changed from the defaults: " + (changed or "nothing")
 

@@ -28,7 +28,8 @@ Choices made:
   (:mod:`trainer.checkpoint`) stores the groups consumed so far; on resume, every
   started-but-unconsumed group is generated again and nothing consumed is used twice.
 
-Left out: a reference model for KL, multi-node training (see the Ray scheduler issue).
+Left out: sharded (multi-process) training of the policy: the trainer is one process on
+one device; rollouts and the engine scale out on Ray (``scheduler: ray``).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class Trainer:
             quiet=self.quiet,
         )
         self.engine, self.source = rollout.engine, rollout.source
-        self.runner, self.make_env = self.source.runner, self.source.make_env
+        self.make_env = self.source.make_env
         self.seed_base = self.source.settings.seed_base
 
     async def _start(self) -> None:
@@ -183,15 +184,18 @@ class Trainer:
         thread of its own (the agent probe gets an event loop of its own there)."""
         from areal_agents.task_agent import observe_prompt
 
-        from .sft import load_demos, run_sft
+        from .sft import demo_tools, load_demos, run_sft
 
         cfg = self.cfg
         if cfg.sft.kind != "messages":
             raise ConfigError("sft.kind=episodes is not supported yet; use sft.kind=messages")
-        env = self.make_env()
-        _, info = env.reset(seed=self.seed_base)
-        maker = getattr(env.unwrapped, "demos", None)
-        env.close()
+        info: dict[str, Any] = {}
+        maker = None
+        if self.make_env is not None:  # None: a self-rewarded run, no env
+            env = self.make_env()
+            _, info = env.reset(seed=self.seed_base)
+            maker = getattr(env.unwrapped, "demos", None)
+            env.close()
         path = cfg.sft.demos or ""
         if cfg.sft.generate:
             if maker is None:
@@ -213,6 +217,7 @@ class Trainer:
                 )
             )
             demos = [d if d[: len(prefix)] == prefix else [*prefix, *d] for d in demos]
+        tools = demo_tools(path) or tools  # rows rendered for an agent carry its tools
         stats = run_sft(
             self.policy,
             self.tokenizer,
@@ -249,7 +254,7 @@ class Trainer:
         st.step += 1
         st.consumed_groups += [g for g, _ in groups]
         st.episodes_consumed += sum(len(eps) for _, eps in groups)
-        append_ledger(self.out, st.step, groups)
+        append_ledger(self.out, st.step, groups, trained_agents=self.cfg.agent.train)
 
     def _out_of_time(self, recent: deque[float]) -> bool:
         limit = self.cfg.train.time_limit_min
@@ -307,7 +312,7 @@ class Trainer:
                 bar.update()
                 bar.set_postfix(
                     reward=f"{summary['reward_mean']:.2f}",
-                    success=f"{summary['success_rate']:.0%}",
+                    success=f"{summary['success_rate']:.0%}" if "success_rate" in summary else "-",
                     stale=f"{summary['staleness_mean']:.2f}",
                     gen_tps=f"{summary['gen_tokens_per_s']:.0f}",
                 )
@@ -340,6 +345,7 @@ class Trainer:
             cfg.rollout.gamma,
             cfg.sampling.max_new_tokens,
             cfg.sampling.temperature,
+            trained_agents=cfg.agent.train,
         )
         temp = batch.temps  # each token at the temperature it was sampled with
         t0 = time.perf_counter()
@@ -383,9 +389,11 @@ class Trainer:
         ]
         gen_tokens = sum(r.output_tokens for r in results)
         gen_time = max((r.duration_s for r in results), default=1.0)
+        known = [bool(r.success) for r in results if r.success is not None]
         scalars = {
             "reward_mean": sum(r.reward for r in results) / len(results),
-            "success_rate": sum(bool(r.success) for r in results) / len(results),
+            # over the episodes that report success (self-rewarded sessions do not)
+            **({"success_rate": sum(known) / len(known)} if known else {}),
             "turns_mean": sum(r.turns for r in results) / len(results),
             "episode_tokens_mean": gen_tokens / len(results),
             "loss": stats.get("loss", 0.0),

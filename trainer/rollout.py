@@ -20,12 +20,13 @@ under one group id) to the training loop, and owns everything about producing th
   ``agent_lost`` episode is generated again from scratch; with ``drop`` the lost episode is
   dropped like any failed one.
 
-Four sources differ only in how the episodes of one group are produced and what they own:
+The sources differ only in how the episodes of one group are produced and what they own:
 
     EnvSource       the raw model drives the env turn by turn (the runner loops env.step)
     AgentSource     the user's agent in this process, against the proxy's HTTP endpoint
     ExternalSource  agents in other processes pull tasks from the worker API
     RaySource       the runner's episodes on Ray actors (env- or agent-driven)
+    SessionSource   no env: a service opens sessions in groups and rewards them itself
 
 :func:`build_rollout` picks and builds one from the config, with its engine.
 """
@@ -36,17 +37,19 @@ import asyncio
 import contextlib
 import inspect
 import json
+import math
 import os
 import secrets
+import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from areal_agents.errors import ConfigError
+from areal_agents.errors import ConfigError, SessionError
 from areal_agents.runner import EpisodeResult, Runner
 
 from .advantage import filter_uniform_groups
@@ -113,6 +116,15 @@ class GroupSource:
         that cannot be made): ``next_batch`` raises it instead of waiting forever."""
         self.gate: StalenessGate | None = None
 
+    make_env: EnvFactory | None = None
+    """The env the source's episodes run in (None: the episodes bring their own rewards)."""
+
+    @property
+    def local_agent(self) -> Any:
+        """The agent code that runs in this process (its prompts can be observed for a
+        warm start), or None: the model drives the env, or agents run elsewhere."""
+        return None
+
     async def episodes(self, g: int, n: int, first: int) -> list[EpisodeResult]:
         """Episodes ``first .. first + n - 1`` of group ``g``."""
         raise NotImplementedError
@@ -173,13 +185,18 @@ class GroupSource:
             else:
                 g = self.state.next_group
                 self.state.next_group += 1
-            task = asyncio.create_task(self._guarded(g))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._group(g))
 
-    async def _guarded(self, g: int) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` as a task of this source; an error in it is the run's (next_batch
+        raises it), and :meth:`close` cancels it."""
+        task = asyncio.create_task(self._guarded(work))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
         try:
-            await self._group(g)
+            await work
         except Exception as exc:
             assert self._failure is not None
             if not self._failure.done():
@@ -198,13 +215,24 @@ class GroupSource:
                 self.dropped["uniform_probe"] += 1
             else:
                 results += await self.episodes(g, s.group_size - k, k)
-        for r in results:
-            if not r.ok:
-                self.dropped[r.end_reason] += 1
         if s.redo_lost and any(r.end_reason == "agent_lost" for r in results):
+            self._count_failures(results)
             self._redo.append(g)  # generated again; the gate admits it like a new group
             await self.gate.finish(accepted=False)
             return
+        await self._settle(g, results, probed_out)
+
+    def _count_failures(self, results: list[EpisodeResult]) -> None:
+        for r in results:
+            if not r.ok:
+                self.dropped[r.end_reason] += 1
+
+    async def _settle(self, g: int, results: list[EpisodeResult], probed_out: bool) -> None:
+        """A finished group: counted, checked (enough usable episodes; not uniform under
+        dynamic sampling), its gate slot freed, and queued for training or skipped."""
+        s = self.settings
+        assert self.gate is not None
+        self._count_failures(results)
         ok = _usable(results)
         keep = not probed_out and len(ok) >= s.min_episodes
         if keep and s.dynamic_sampling and _uniform(ok):
@@ -246,8 +274,6 @@ class EnvSource(GroupSource):
 
     @property
     def local_agent(self) -> Any:
-        """The agent code that runs in this process (its prompts can be observed for a
-        warm start), or None: the model drives the env, or agents run elsewhere."""
         return self.agent
 
     async def episodes(self, g: int, n: int, first: int) -> list[EpisodeResult]:
@@ -327,6 +353,190 @@ class RaySource(EnvSource):
         await self.runner.close()
 
 
+@dataclass
+class _OpenGroup:
+    """A group of a self-rewarded run, from its first session to its last end."""
+
+    number: int
+    name: str
+    sessions: dict[str, Any] = field(default_factory=dict)
+    """Session id -> Session, as opened."""
+    results: dict[str, EpisodeResult] = field(default_factory=dict)
+    """Session id -> its episode, as ended."""
+    opened_at: float = field(default_factory=time.monotonic)
+    expiry: asyncio.TimerHandle | None = None
+    settling: bool = False
+
+
+class SessionSource(GroupSource):
+    """Self-rewarded training (``rollout.agents: self_rewarded``): traffic without an env.
+
+    A service (an online agent deployment, say) opens a proxy session per episode with
+    ``POST /sessions {group, task_id?, metadata?}`` and the worker token, gives the session's
+    key to its agent, posts the episode's rewards to ``/sessions/{id}/rewards`` and ends it
+    with ``/sessions/{id}/end`` (both with the worker token: the agent's key may only call the
+    model). The ``rollout.group_size`` sessions of one ``group`` are one training group (the
+    same request answered G times); the group is trained on when all G have ended.
+
+    * The gate: the first session of a new group takes a gate slot, or is answered 429 with
+      ``Retry-After`` while there is none (so the service never runs ahead of
+      ``max_head_offpolicyness``); more sessions than G in one group are a 409, and so is a
+      group name used again after its group finished.
+    * Lost sessions: ``rollout.episode_timeout_s`` after a group's first session opened, its
+      sessions still open end as ``agent_lost`` and its sessions never opened count as
+      ``group_incomplete``; the group is trained on the rest when enough are left.
+    * Sampling: the agent's calls sample as they ask; what they leave unset comes from
+      ``sampling`` (``by_kind`` matched against the session's ``metadata.kind``).
+    * Checks as for every source: failed ends (any ``reason`` other than terminated or
+      truncated) are dropped and counted by reason; dynamic sampling drops uniform groups.
+    * A restart (``--resume``) cannot redo a group: its sessions lived in the stopped
+      process. The groups in flight then are skipped (``dropped/lost_at_restart``), and their
+      session keys are unknown to the new proxy.
+    """
+
+    def __init__(
+        self,
+        settings: SourceSettings,
+        state: RunState,
+        proxy: Any,
+        server: Any,
+        *,
+        episode_timeout_s: float | None,
+        sampling: dict[str, Any] | None = None,
+        sampling_by_kind: dict[str, dict[str, Any]] | None = None,
+        retry_after_s: float = 1.0,
+    ) -> None:
+        super().__init__(settings, state)
+        self.proxy = proxy
+        self.sampling = dict(sampling or {})
+        self.sampling_by_kind = dict(sampling_by_kind or {})
+        self.server = server
+        self.episode_timeout_s = episode_timeout_s
+        self.retry_after_s = retry_after_s
+        self._open: dict[str, _OpenGroup] = {}
+        self._finished: dict[str, None] = {}  # names of finished groups (insertion-ordered)
+        self._closed = False
+        proxy.session_hooks = self
+
+    async def start(self, version: int) -> None:
+        await self.server.start()
+        await super().start(version)
+
+    async def close(self) -> None:
+        self._closed = True
+        for group in self._open.values():
+            if group.expiry is not None:
+                group.expiry.cancel()
+        await super().close()
+        await self.server.stop()
+
+    async def _produce(self) -> None:
+        for g in self._redo:  # their sessions were in the stopped process's memory
+            self.state.skipped_groups.append(g)
+            self.dropped["lost_at_restart"] += 1
+        self._redo.clear()
+        await asyncio.Event().wait()  # the groups come from the proxy's session hooks
+
+    # ------------------------------------------------------------------ session hooks
+    def admit(self, body: Any) -> None:
+        from areal_agents.proxy import ApiError
+
+        name = body.group_id
+        if self._closed or self.gate is None:
+            raise ApiError(503, "the trainer is not taking sessions now", kind="server_error")
+        if not name:
+            raise ApiError(
+                400,
+                f"this run trains on groups of {self.settings.group_size} sessions: send "
+                "'group', the same name for the sessions that answer one request",
+                param="group",
+            )
+        group = self._open.get(name)
+        if group is not None:
+            if len(group.sessions) >= self.settings.group_size or group.settling:
+                raise ApiError(
+                    409,
+                    f"group {name!r} already has its {self.settings.group_size} sessions; "
+                    "open the next request's sessions under a new group",
+                    kind="conflict_error",
+                    param="group",
+                )
+            return
+        if name in self._finished:
+            raise ApiError(
+                409,
+                f"group {name!r} has finished; a group name is used once",
+                kind="conflict_error",
+                param="group",
+            )
+        if not self.gate.try_acquire():
+            raise ApiError(
+                429,
+                "the trainer's staleness gate has no room for a new group; open it after "
+                "Retry-After seconds (a session of a group already open is admitted)",
+                kind="rate_limit_error",
+                code="no_room",
+                headers={"Retry-After": str(math.ceil(self.retry_after_s))},
+            )
+        number = self.state.next_group
+        self.state.next_group += 1
+        group = self._open[name] = _OpenGroup(number, name)
+        if self.episode_timeout_s is not None:
+            loop = asyncio.get_running_loop()
+            group.expiry = loop.call_later(self.episode_timeout_s, self._expire, group)
+
+    def opened(self, session: Any) -> None:
+        self._open[session.episode.group_id].sessions[session.id] = session
+        kind = str(session.episode.metadata.get("kind"))
+        session.sampling = {**self.sampling, **self.sampling_by_kind.get(kind, {})}
+
+    def ended(self, session: Any) -> None:
+        group = self._open.get(session.episode.group_id or "")
+        if group is None or session.id not in group.sessions or session.id in group.results:
+            return
+        ep = session.episode
+        error = ep.errors[-1].get("message") if ep.errors else None
+        group.results[session.id] = EpisodeResult(
+            episode=ep,
+            reward=sum(c.reward for c in ep.completions) + (ep.final_reward or 0.0),
+            success=None,
+            turns=len(ep.completions),
+            end_reason=ep.end_reason or "terminated",
+            error=None if error is None else str(error),
+            info={"task": {"task_id": ep.task_id, **ep.metadata}},
+            duration_s=time.monotonic() - group.opened_at,
+        )
+        if len(group.results) == self.settings.group_size:
+            self._settle_soon(group)
+
+    def _expire(self, group: _OpenGroup) -> None:
+        if group.settling:
+            return
+        for sid, session in group.sessions.items():
+            if sid not in group.results:
+                self.proxy.sessions.end(session, reason="agent_lost")
+                self.ended(session)
+        missing = self.settings.group_size - len(group.sessions)
+        if missing and not group.settling:
+            self.dropped["group_incomplete"] += missing
+        self._settle_soon(group)
+
+    def _settle_soon(self, group: _OpenGroup) -> None:
+        if group.settling:
+            return
+        group.settling = True
+        if group.expiry is not None:
+            group.expiry.cancel()
+        del self._open[group.name]
+        self._finished[group.name] = None
+        while len(self._finished) > 100_000:
+            del self._finished[next(iter(self._finished))]
+        for sid in group.sessions:  # the episodes are the trainer's now
+            with contextlib.suppress(SessionError):
+                self.proxy.sessions.remove(sid)
+        self._spawn(self._settle(group.number, list(group.results.values()), probed_out=False))
+
+
 # ---------------------------------------------------------------------------- building
 @dataclass
 class Rollout:
@@ -334,7 +544,7 @@ class Rollout:
     source of groups."""
 
     engine: Any
-    source: EnvSource
+    source: GroupSource
 
 
 def build_rollout(
@@ -353,14 +563,16 @@ def build_rollout(
     from envs.registry import make
 
     settings = SourceSettings.from_config(cfg, dynamic_sampling)
-    kwargs = dict(cfg.env.kwargs)
-    probe = make(cfg.env.id, **kwargs)
-    if "split" in inspect.signature(type(probe.unwrapped).__init__).parameters:
-        kwargs.setdefault("split", cfg.env.split)
-    probe.close()
+    env_id, kwargs = cfg.env.id, dict(cfg.env.kwargs)
+    if env_id is not None:  # None: a self-rewarded run (checked by the config)
+        probe = make(env_id, **kwargs)
+        if "split" in inspect.signature(type(probe.unwrapped).__init__).parameters:
+            kwargs.setdefault("split", cfg.env.split)
+        probe.close()
 
     def make_env() -> Any:
-        return make(cfg.env.id, **kwargs)
+        assert env_id is not None
+        return make(env_id, **kwargs)
 
     agent = None
     if cfg.agent.factory is not None:
@@ -395,14 +607,31 @@ def build_rollout(
     proxy = Proxy(
         engine,
         tokenizer,
-        self_rewarding=not external,
+        self_rewarding=False,  # the env (or, self-rewarded, the worker token) rewards
+        open_sessions=False,  # the trainer opens every session
         default_max_tokens=cfg.sampling.max_new_tokens,  # for agent calls that set none
     )
-    if agent is None and not external:
+    if agent is None and cfg.rollout.agents == "local":
         return Rollout(engine, EnvSource(settings, state, Runner(proxy, **runner_kwargs), make_env))
     from areal_agents.server import LoopServer
 
     host, port = cfg.workers.host, cfg.workers.port
+    if cfg.rollout.agents == "self_rewarded":
+        port, token = _worker_endpoint(cfg, out)
+        proxy.privileged_keys.add(token)
+        server = LoopServer(proxy, host=host, port=port)
+        if not quiet:
+            print(f"sessions on {server.url} (worker token in {out / 'workers.json'})", flush=True)
+        source = SessionSource(
+            settings,
+            state,
+            proxy,
+            server,
+            episode_timeout_s=cfg.rollout.episode_timeout_s,
+            sampling=runner_kwargs["sampling"],
+            sampling_by_kind=runner_kwargs["sampling_by_kind"],
+        )
+        return Rollout(engine, source)
     hub = None
     if external:
         from areal_agents.workers import WorkerHub
@@ -490,6 +719,7 @@ __all__ = [
     "GroupSource",
     "RaySource",
     "Rollout",
+    "SessionSource",
     "SourceSettings",
     "build_rollout",
 ]

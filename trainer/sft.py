@@ -52,6 +52,23 @@ def load_demos(path: str | Path) -> list[list[dict[str, Any]]]:
     return out
 
 
+def demo_tools(path: str | Path) -> list[dict[str, Any]] | None:
+    """The tool list the rows of a demo file carry (``"tools"``, as ``areal-agent demos
+    --agent`` writes them: the agent's tools, which the demos are rendered with), or None
+    when they carry none. Rows that carry different lists are a :class:`ConfigError`."""
+    found: list[Any] = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        row = json.loads(line) if line.strip() else None
+        tools = row.get("tools") if isinstance(row, dict) else None
+        if tools is not None and not isinstance(tools, list):
+            raise ConfigError(f"{path}:{n}: 'tools' must be a list of tool schemas")
+        if tools is not None and found and tools != found[0]:
+            raise ConfigError(f"{path}:{n}: the rows carry different tool lists; use one")
+        if tools is not None and not found:
+            found.append(tools)
+    return found[0] if found else None
+
+
 def sft_sample(
     tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> tuple[list[int], list[int], int]:

@@ -43,6 +43,14 @@ class StalenessGate:
             await self._changed.wait_for(lambda: self.capacity() > 0)
             self.running += 1
 
+    def try_acquire(self) -> bool:
+        """Count a new group as running if one may start now; never waits. For callers in
+        the gate's event loop that cannot wait (an HTTP request that answers 429 instead)."""
+        if self.capacity() <= 0:
+            return False
+        self.running += 1
+        return True
+
     async def finish(self, accepted: bool) -> None:
         async with self._changed:
             self.running -= 1

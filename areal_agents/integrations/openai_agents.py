@@ -85,6 +85,11 @@ _SCOPE: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
 )
 _PLACEHOLDER = "http://areal-agents-session.invalid/v1"
 """The routing client's own base URL; every request is sent on to the scope's session."""
+_AGENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "areal_agents_openai_agent", default=None
+)
+"""The name of the SDK agent whose model call is being made (set just before each call)."""
+AGENT_HEADER = "X-Areal-Agent"  # the proxy's areal_agents.proxy.AGENT_HEADER
 _install_lock = threading.Lock()
 _routing_client: AsyncOpenAI | None = None
 
@@ -102,15 +107,23 @@ def session_model(
         api: ``"responses"`` (the SDK's default model class, ``OpenAIResponsesModel``) or
             ``"chat"`` (``OpenAIChatCompletionsModel``).
     """
-    from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key)
+    _check_api(api)
+    return _model_on(AsyncOpenAI(base_url=base_url, api_key=api_key), model, api)
+
+
+def _check_api(api: str) -> None:
+    if api not in ("responses", "chat"):
+        raise ValueError(f"api must be 'responses' or 'chat', got {api!r}")
+
+
+def _model_on(client: AsyncOpenAI, model: str, api: Api) -> Model:
+    from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
+
     if api == "chat":
         return OpenAIChatCompletionsModel(model=model, openai_client=client)
-    if api == "responses":
-        return OpenAIResponsesModel(model=model, openai_client=client)
-    raise ValueError(f"api must be 'responses' or 'chat', got {api!r}")
+    return OpenAIResponsesModel(model=model, openai_client=client)
 
 
 @contextmanager
@@ -269,8 +282,9 @@ async def run_agent(
             neither ``"responses"`` nor ``"chat"``.
     """
     from agents import RunConfig, Runner
+    from openai import AsyncOpenAI
 
-    session = session_model(base_url, api_key, model, api=api)
+    _check_api(api)
     extra = as_function_tools(tools or [])
     taken = {getattr(t, "name", None) for t in agent.tools}
     clash = sorted(t.name for t in extra if t.name in taken)
@@ -278,18 +292,47 @@ async def run_agent(
         raise ValueError(
             f"agent {agent.name!r} already has tools named {clash}; rename the extra tools"
         )
-    runnable = agent.clone(model=session, tools=[*agent.tools, *extra])
-    if run_config is None:
-        config = RunConfig(model=session, tracing_disabled=True)
-    else:
-        config = dataclasses.replace(run_config, model=session)
-    options: dict[str, Any] = {"context": context, "run_config": config}
-    if max_turns is not None:
-        options["max_turns"] = max_turns
-    return await Runner.run(runnable, input, **options)
+    from openai import DefaultAsyncHttpxClient
+
+    # the episode's own client, closed with the run (its connections are this loop's); each
+    # request names the agent whose turn it is, so multi-agent runs can train some of them
+    http = DefaultAsyncHttpxClient(event_hooks={"request": [_name_agent]})
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http) as client:
+        session = _model_on(client, model, api)
+        runnable = agent.clone(model=session, tools=[*agent.tools, *extra])
+        if run_config is None:
+            config = RunConfig(model=session, tracing_disabled=True)
+        else:
+            config = dataclasses.replace(run_config, model=session)
+        noting = _noting_agent(config.call_model_input_filter)
+        config = dataclasses.replace(config, call_model_input_filter=noting)
+        options: dict[str, Any] = {"context": context, "run_config": config}
+        if max_turns is not None:
+            options["max_turns"] = max_turns
+        return await Runner.run(runnable, input, **options)
 
 
 # ---------------------------------------------------------------------- helpers
+def _noting_agent(user_filter: Any) -> Any:
+    """A ``call_model_input_filter`` that notes the calling agent's name (for the request
+    header), then applies the user's own filter, if any."""
+
+    def note(data: Any) -> Any:
+        _AGENT.set(str(data.agent.name))
+        return data.model_data if user_filter is None else user_filter(data)
+
+    return note
+
+
+async def _name_agent(request: Any) -> None:
+    """httpx request hook: the :data:`AGENT_HEADER` of the agent whose call this is."""
+    from urllib.parse import quote
+
+    name = _AGENT.get()
+    if name:
+        request.headers[AGENT_HEADER] = quote(name[:256], safe=" ")
+
+
 def _checked(tools: Sequence[Tool]) -> list[Tool]:
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise TypeError(f"expected a list of tools.tool.Tool, got {type(tools).__name__}")

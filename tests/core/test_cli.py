@@ -153,3 +153,32 @@ def test_demos_writes_chat_jsonl_for_the_warm_start(tmp_path):
     assert roles[-3:] == ["assistant", "tool", "assistant"]
     none = cli("demos", "--env", "areal/Search-v0", "--out", str(tmp_path / "x.jsonl"))
     assert none.returncode == 2 and "offers no demos()" in none.stderr
+
+
+def test_demos_for_an_agent_look_like_its_prompts(tmp_path, tiny_model_dir):
+    """`demos --agent`: the Agents SDK example agent's instructions come first and every
+    row carries its tool list (its own tool, then the env's), which the warm start uses."""
+    import json
+    from pathlib import Path
+
+    pytest.importorskip("agents")
+    from trainer.sft import demo_tools, load_demos
+
+    example = Path(__file__).resolve().parents[2] / "examples/agents/train_agents_sdk.py"
+    path = tmp_path / "d.jsonl"
+    out = cli(
+        *("demos", "--env", "areal/Calculator-v0", "--n", "2", "--kind", "arithmetic"),
+        *("--agent", f"{example}:make_agent", "--model", str(tiny_model_dir), "--out", str(path)),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "(2 tools)" in out.stdout
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert rows[0]["messages"][0]["content"].startswith("You solve arithmetic word problems.")
+    assert [t["function"]["name"] for t in rows[0]["tools"]] == ["round_number", "calculator"]
+    assert demo_tools(path) == rows[0]["tools"] and len(load_demos(path)) == 2
+    rows[1]["tools"] = rows[1]["tools"][:1]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from areal_agents.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="different tool lists"):
+        demo_tools(path)

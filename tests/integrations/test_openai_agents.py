@@ -189,6 +189,8 @@ async def test_handoff_goes_through_the_same_session_as_a_second_branch(scripted
     assert third["parent_id"] == second["id"]
     assert [t["function"]["name"] for t in first["tools"]] == ["transfer_to_billing"]
     assert [t["function"]["name"] for t in second["tools"]] == ["refund"]
+    # each call names the agent whose turn it was (agent.train picks among them)
+    assert [c["agent"] for c in completions] == ["triage", "billing", "billing"]
     refund_id = second["message"]["tool_calls"][0]["id"]
     fed = {m["tool_call_id"]: m["content"] for m in third["messages"] if m["role"] == "tool"}
     assert fed[refund_id] == "refund issued for A17"

@@ -37,9 +37,9 @@ def test_scheduler_ray_trains_with_rollouts_on_ray_workers(cluster, tiny_model_d
     )
     trainer = Trainer(cfg, quiet=True)
     summary = asyncio.run(trainer.run())
-    assert type(trainer.runner).__name__ == "RayRunner"
+    assert type(trainer.source.runner).__name__ == "RayRunner"
     assert trainer.engine.version == 2, "the engine actor got the weights of both steps"
-    counters = trainer.runner.counters
+    counters = trainer.source.runner.counters
     assert counters["episodes"] >= 8 and not counters["episodes_lost"]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -246,3 +246,45 @@ async def test_sampling_by_kind_overrides_per_task_kind(tok):
             r.episode.completions
         )
     assert sorted(set(seen)) == [0.7, 1.0]  # what the engine was asked for
+
+
+async def test_agent_calls_that_set_no_sampling_get_the_runs_per_kind_defaults(tok):
+    """An agent that leaves sampling to the server samples as the run says (per task kind);
+    what its calls do set wins."""
+    from areal_agents.server import ProxyServer
+
+    proxy = Proxy(FakeEngine(solver(tok)), tok)
+    with ProxyServer.start(proxy) as server:
+        runner = Runner(
+            proxy,
+            base_url=server.base_url,
+            sampling={"temperature": 0.7, "top_p": 0.9, "max_tokens": 48},
+            sampling_by_kind={"arithmetic": {"temperature": 1.0}},
+        )
+
+        def agent_setting(temperature: float | None):
+            async def agent(task):
+                client = task.openai_client()
+                extra = {} if temperature is None else {"temperature": temperature}
+                r = await client.chat.completions.create(
+                    model=task.model, messages=list(task.messages), **extra
+                )
+                return r.choices[0].message.content
+
+            return agent
+
+        def make():
+            return CalculatorEnv(split="test", kind="mixed", word_fraction=0.5)
+
+        unset = [
+            await runner.run_episode(make, seed=s, agent=agent_setting(None)) for s in range(8)
+        ]
+        fixed = await runner.run_episode(make, seed=0, agent=agent_setting(0.25))
+    assert {r.info["task"]["kind"] for r in unset} == {"arithmetic", "word"}
+    for r in unset:
+        (call,) = r.episode.completions
+        want = 1.0 if r.info["task"]["kind"] == "arithmetic" else 0.7
+        assert call.sampling["temperature"] == want, r.error
+        assert call.sampling["top_p"] == 0.9
+    (call,) = fixed.episode.completions
+    assert call.sampling["temperature"] == 0.25 and call.sampling["top_p"] == 0.9

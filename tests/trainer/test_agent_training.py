@@ -68,6 +68,7 @@ def test_an_agents_sdk_agent_is_trained_in_process(tiny_model_dir, tmp_path):
             "env.id=test/LengthParity-v0",
             f"agent.factory={Path(__file__)}:make_agent",
             "agent.kwargs={max_tokens: 6}",
+            "agent.train=[solver]",  # the only agent: every call is named and trained
             f"model.path={tiny_model_dir}",
             "model.dtype=float32",
             "rollout.group_size=4",
@@ -91,10 +92,16 @@ def test_an_agents_sdk_agent_is_trained_in_process(tiny_model_dir, tmp_path):
     trainer = Recording(cfg, quiet=True)
     asyncio.run(trainer.run())
     assert type(trainer.source).__name__ == "AgentSource"
+    proxy = trainer.source.runner.proxy  # the env rewards: the agent's key cannot, nor open
+    assert proxy.self_rewarding is False and proxy.open_sessions is False
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert any(r["grad_norm"] > 0 for r in rows), "the agent's episodes carried no gradient"
     assert len(seen) == 16
+    assert all(r["masked_completions"] == 0 for r in rows)
+    assert all(c.agent == "solver" for r in seen for c in r.episode.completions)
+    ledger = [json.loads(x) for x in (out / "groups.jsonl").read_text().splitlines()]
+    assert all(row["masked"] == [] and row["completions"] for row in ledger)
     for r in seen:
         first = r.episode.completions[0]
         # the SDK's own request: the agent's instructions first, its tool offered
@@ -113,7 +120,9 @@ def test_the_agents_sdk_example_config_resolves_and_its_factory_loads():
     assert cfg.agent.factory == "examples/agents/train_agents_sdk.py:make_agent"
     agent = load_agent(str(repo / cfg.agent.factory), cfg.agent.kwargs, max_turns=3)
     assert isinstance(agent, SDKAgent) and agent.name == "solver"
-    assert agent.agent.model_settings.temperature == 1.0 and agent.max_turns == 3
+    # no temperature of its own: its calls sample as `sampling` says, per task kind
+    assert agent.agent.model_settings.temperature is None and agent.max_turns == 3
+    assert cfg.sampling.by_kind == {"arithmetic": {"temperature": 1.0}}
 
 
 def test_a_bad_agent_factory_fails_before_any_episode(tmp_path):

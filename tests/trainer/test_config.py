@@ -88,7 +88,7 @@ sft:
   lr: 1.0e-5
   kind: episodes
 metrics: {tensorboard: false, jsonl: true, wandb: false}
-agent: {factory: "my_pkg.agents:make_agent", kwargs: {temperature: 0.5}}
+agent: {factory: "my_pkg.agents:make_agent", kwargs: {temperature: 0.5}, train: [solver]}
 workers: {host: 127.0.0.1, port: 0, token: null, heartbeat_timeout_s: 30.0, on_lost: redo}
 scheduler: ray
 """

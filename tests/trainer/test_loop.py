@@ -168,13 +168,14 @@ def test_sampled_logprobs_match_the_trainers_at_each_calls_temperature(tiny_mode
     )
     trainer = Trainer(cfg, quiet=True)
     trainer._build()
-    assert trainer.runner.sampling_by_kind == {"other": {"temperature": 0.3}}
+    runner = trainer.source.runner
+    assert runner.sampling_by_kind == {"other": {"temperature": 0.3}}
 
     async def sample() -> list:
         episodes = []
         for g, t in enumerate((0.5, 1.6)):
-            trainer.runner.sampling["temperature"] = t
-            results = await trainer.runner.run_group(trainer.make_env, 3, seed=g, sampling_seed=g)
+            runner.sampling["temperature"] = t
+            results = await runner.run_group(trainer.make_env, 3, seed=g, sampling_seed=g)
             episodes += [r.episode for r in results]
         await trainer.engine.close()
         return episodes
@@ -575,7 +576,7 @@ def test_eta0_async_loop_equals_a_synchronous_step(tiny_model_dir, tmp_path):
     async def sync_step() -> None:
         groups = await asyncio.gather(
             *[
-                ref.runner.run_group(
+                ref.source.runner.run_group(
                     ref.make_env,
                     4,
                     seed=ref.seed_base + g,
@@ -797,3 +798,49 @@ def test_entropy_bonus_without_entropy_gradients_names_the_fix(tiny_model_dir):
     batch, _ = build_batch(_episodes(policy), spec, 1.0, 16)
     with pytest.raises(ValueError, match="entropy_grad=True"):
         policy.train_step(batch.seqs, make_loss_fn(batch, spec, cfg, 0), 1.0, 64, batch.mask)
+
+
+def test_agent_train_masks_the_other_agents_completions_out_of_the_loss():
+    """agent.train = [billing]: the triage turn stays in the merged sample's prompt and in
+    the returns, but its tokens carry no loss mask and no weight; the ledger lists it apart."""
+    from trainer.algorithms import get_algorithm
+
+    spec = get_algorithm("grpo")
+    eps = []
+    for k in range(2):
+        ep = Episode(f"e{k}", group_id="g")
+        prompt, out1, out2 = [101, 102, 103], [201, 202], [301, 302, 303]
+        first = [{"role": "user", "content": "q"}]
+        later = [*first, {"role": "assistant", "content": "a"}, {"role": "user", "content": "m"}]
+        for cid, agent, msgs, p, o in (
+            (f"t{k}", "triage", first, prompt, out1),
+            (f"b{k}", "billing", later, [*prompt, *out1, 7, 8], out2),
+        ):
+            c = Completion(
+                cid,
+                msgs,
+                p,
+                o,
+                [0.0] * len(o),
+                [0] * len(o),
+                {"role": "assistant", "content": "a"},
+                "stop",
+                agent=agent,
+            )
+            ep.add(c)
+        ep.final_reward = float(k)
+        eps.append(ep)
+    full, _ = build_batch(eps, spec, 1.0, 64)
+    masked, stats = build_batch(eps, spec, 1.0, 64, trained_agents=["billing"])
+    assert stats["masked_completions"] == 2
+    for f, m in zip(full.mask, masked.mask, strict=True):
+        # shifted by one: [prompt 3][out1 2][7 8][out2 3] -> targets from index 1
+        assert f.tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 1]
+        assert m.tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1]
+    for w in masked.weights:
+        assert w[:6].abs().sum() == 0 and (w[6:] > 0).all()
+    # the advantages are those of the full batch (returns are unchanged by the mask)
+    for f, m in zip(full.adv, masked.adv, strict=True):
+        assert torch.equal(f[6:], m[6:])
+    # without agent.train every completion trains, whatever its agent
+    assert "masked_completions" not in build_batch(eps, spec, 1.0, 64)[1]
