@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AgentError, EpisodeTimeout, RolloutError, UserError
+from .errors import AgentError, ArealError, EpisodeTimeout, RolloutError, UserError
 from .proxy import ApiError, Proxy
 from .session import Session
 from .trajectory import Episode
@@ -315,7 +315,13 @@ class Runner:
         reward, score_info = await self._call_env("score", env.score, conversation)
         state["info"] = score_info
         state["success"] = score_info.get("success")
-        ep.final_reward = (ep.final_reward or 0.0) + float(reward)
+        final = float(reward)
+        for call_id, value in (score_info.get("tool_rewards") or {}).items():
+            try:  # on the completion that made the call, as env-driven
+                self.proxy.sessions.add_reward(session, float(value), tool_call_id=call_id)
+            except ArealError:  # a call the session did not record: the episode's, then
+                final += float(value)
+        ep.final_reward = (ep.final_reward or 0.0) + final
         return "terminated"
 
     def _sampling_for(self, info: dict[str, Any]) -> dict[str, Any]:

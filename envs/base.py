@@ -170,8 +170,43 @@ class AgentEnv(gymnasium.Env[list[Message], Message]):
     def score(self, messages: Sequence[Message]) -> tuple[float, dict[str, Any]]:
         """Score a whole conversation produced by an agent's own loop.
 
-        Returns (reward, info with ``"success"``). Subclasses override this."""
+        Returns (reward, info with ``"success"``). Subclasses override this. An env whose
+        tool turns earn rewards when it is stepped (``_tool_reward``) returns the same ones
+        here as ``info["tool_rewards"]`` (:meth:`tool_turn_rewards`), so that an agent's
+        episode earns what the same conversation earns env-driven."""
         raise NotImplementedError(f"{type(self).__name__} does not implement score()")
+
+    def tool_turn_rewards(self, messages: Sequence[Message]) -> dict[str, float]:
+        """The rewards :meth:`_tool_reward` gives the tool turns of ``messages``, replayed
+        in order: ``{id of the turn's first tool call: reward}`` for each nonzero one.
+
+        The runner attaches each reward to the completion that made that call, as in an
+        env-driven episode. A tool result counts as an error when its content starts with
+        ``"Error"`` (what :func:`run_tool_calls` and the agent integrations report)."""
+        results = {
+            m.get("tool_call_id"): str(m.get("content") or "")
+            for m in messages
+            if m.get("role") == "tool"
+        }
+        out: dict[str, float] = {}
+        for m in messages:
+            calls = [c for c in m.get("tool_calls") or [] if isinstance(c, Mapping)]
+            if m.get("role") != "assistant" or not calls:
+                continue
+            records = [
+                {
+                    "tool_call_id": c.get("id"),
+                    "name": (c.get("function") or {}).get("name"),
+                    "error": None
+                    if c.get("id") in results and not results[c.get("id")].startswith("Error")
+                    else "error",
+                }
+                for c in calls
+            ]
+            reward = self._tool_reward(dict(m), records)
+            if reward and calls[0].get("id"):
+                out[str(calls[0]["id"])] = float(reward)
+        return out
 
     # ------------------------------------------------------------------ gymnasium API
 

@@ -190,11 +190,15 @@ class _AnswerEnv(AgentEnv):
 
     def score(self, messages: Sequence[Message]) -> tuple[float, dict[str, Any]]:
         """Score a conversation: its last assistant message without tool calls is the
-        answer. Returns (``correct_reward`` or ``wrong_reward``, info with ``success``)."""
+        answer. Returns (``correct_reward`` or ``wrong_reward``, info with ``success`` and
+        the tool turns' rewards, ``tool_rewards``: ``tool_call_reward``, the grounded-call
+        credit, as stepping the same conversation gives them)."""
         if self.task is None:
             raise RuntimeError("call reset() before score(): the task is chosen at reset")
         finals = [m for m in messages if m.get("role") == "assistant" and not m.get("tool_calls")]
         predicted = extract_answer(finals[-1].get("content")) if finals else None
+        self.tool_used = False  # replayed: the tool turns earn what they earn env-driven
+        tool_rewards = self.tool_turn_rewards(messages)
         tool_used = _used_calculator(messages)
         success = answers_match(predicted, self.task.answer) and (
             tool_used or not self.require_tool
@@ -206,6 +210,7 @@ class _AnswerEnv(AgentEnv):
             "answer": self.task.answer,
             "kind": self.task.kind,
             "tool_used": tool_used,
+            "tool_rewards": tool_rewards,
         }
         return reward, info
 

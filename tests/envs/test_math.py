@@ -128,8 +128,10 @@ def test_math_env_runs_calculator_calls_and_score_reads_the_last_answer():
     assert obs == [{"role": "tool", "tool_call_id": "k", "content": "42"}]
     assert reward == 0.1
     transcript = [*env.messages, _answer_turn(f"The answer is {env.task.answer}.")]
-    assert env.score(transcript) == (1.0, pytest.approx(env.score(transcript)[1]))
-    assert env.score(transcript)[1]["success"] is True
+    reward, info = env.score(transcript)
+    assert reward == 1.0 and info["success"] is True
+    assert info["tool_rewards"] == {"k": 0.1}  # what stepping the call earned
+    assert env.score(transcript) == (reward, info)  # replaying twice gives the same
     assert env.score([_answer_turn("The answer is 0.5")])[1]["success"] is False
 
 

@@ -288,3 +288,45 @@ async def test_agent_calls_that_set_no_sampling_get_the_runs_per_kind_defaults(t
         assert call.sampling["top_p"] == 0.9
     (call,) = fixed.episode.completions
     assert call.sampling["temperature"] == 0.25 and call.sampling["top_p"] == 0.9
+
+
+async def test_an_agents_episode_earns_the_tool_rewards_an_env_driven_one_does(tok):
+    """score() replays the tool turns: the grounded-call credit of the calculator env lands
+    on the completion that made the call, and the episode's total equals env-driven's."""
+    from areal_agents.server import ProxyServer
+
+    def make():
+        return CalculatorEnv(
+            split="test", kind="arithmetic", grounded_call_reward=0.1, grounded_ops_reward=0.3
+        )
+
+    proxy = Proxy(FakeEngine(solver(tok)), tok)
+    driven = await Runner(proxy).run_episode(make, seed=5)
+    with ProxyServer.start(proxy) as server:
+        runner = Runner(proxy, base_url=server.base_url)
+
+        async def agent(task):
+            client = task.openai_client()
+            messages, by_name = list(task.messages), {t.name: t for t in task.tools}
+            for _ in range(4):
+                r = await client.chat.completions.create(
+                    model=task.model, messages=messages, tools=[t.schema for t in task.tools]
+                )
+                msg = r.choices[0].message
+                messages.append(msg.model_dump(exclude_none=True))
+                if not msg.tool_calls:
+                    return msg.content
+                for call in msg.tool_calls:
+                    out = await by_name[call.function.name].acall(call.function.arguments)
+                    messages.append(
+                        {"role": "tool", "tool_call_id": call.id, "content": out.content}
+                    )
+            return None
+
+        agentic = await runner.run_episode(make, seed=5, agent=agent)
+    assert driven.success and agentic.success, (driven.error, agentic.error)
+    assert agentic.reward == pytest.approx(driven.reward) == pytest.approx(1.4)
+    first = agentic.episode.completions[0]
+    assert first.message["tool_calls"] and first.reward == pytest.approx(0.4)
+    assert agentic.info["tool_rewards"] == {first.message["tool_calls"][0]["id"]: 0.4}
+    assert agentic.episode.final_reward == pytest.approx(1.0)
