@@ -103,8 +103,8 @@ _CLOCK = {"created_at", "latency_s", "queue_s", "duration_s"}
 
 
 def shape(result: EpisodeResult) -> Any:
-    """Everything an episode records, with random ids numbered by first appearance and
-    wall-clock fields dropped."""
+    """Everything an episode records, with random ids (in values and keys) numbered by
+    first appearance and wall-clock fields dropped."""
     row = result.episode.to_dict(0.9)
     row["result"] = {
         "reward": result.reward,
@@ -122,7 +122,7 @@ def shape(result: EpisodeResult) -> Any:
 
     def strip(value: Any) -> Any:
         if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in _CLOCK}
+            return {strip(k): strip(v) for k, v in value.items() if k not in _CLOCK}
         if isinstance(value, list):
             return [strip(v) for v in value]
         return _IDS.sub(rename, value) if isinstance(value, str) else value
