@@ -57,6 +57,25 @@ def solver(tok: ChatTokenizer, *, wrong_first: bool = False):
     return script
 
 
+async def tool_agent(task):
+    """An agent's own loop on the plain openai client: call the model with the task's tools,
+    run the tool calls, until a reply without calls (its content is the final answer)."""
+    client = task.openai_client()
+    messages, by_name = list(task.messages), {t.name: t for t in task.tools}
+    for _ in range(4):
+        r = await client.chat.completions.create(
+            model=task.model, messages=messages, tools=[t.schema for t in task.tools]
+        )
+        msg = r.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            return msg.content
+        for call in msg.tool_calls:
+            out: ToolResult = await by_name[call.function.name].acall(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": out.content})
+    return None
+
+
 async def test_env_driven_episode_records_per_turn_rewards(tok):
     proxy = Proxy(FakeEngine(solver(tok, wrong_first=True)), tok)
     runner = Runner(proxy, max_turns=6)
@@ -161,30 +180,8 @@ async def test_agent_driven_episode_is_scored_by_env(tok):
     with ProxyServer.start(proxy) as server:
         runner = Runner(proxy, base_url=server.base_url)
 
-        async def agent(task):
-            client = task.openai_client()
-            messages = list(task.messages)
-            schemas = [t.schema for t in task.tools]
-            by_name = {t.name: t for t in task.tools}
-            for _ in range(4):
-                r = await client.chat.completions.create(
-                    model=task.model, messages=messages, tools=schemas
-                )
-                msg = r.choices[0].message
-                messages.append(msg.model_dump(exclude_none=True))
-                if not msg.tool_calls:
-                    return msg.content
-                for call in msg.tool_calls:
-                    out: ToolResult = await by_name[call.function.name].acall(
-                        call.function.arguments
-                    )
-                    messages.append(
-                        {"role": "tool", "tool_call_id": call.id, "content": out.content}
-                    )
-            return None
-
         res = await runner.run_episode(
-            lambda: CalculatorEnv(split="test", kind="arithmetic"), seed=5, agent=agent
+            lambda: CalculatorEnv(split="test", kind="arithmetic"), seed=5, agent=tool_agent
         )
     assert res.end_reason == "terminated", res.error
     assert res.success is True and res.reward == pytest.approx(1.0)
@@ -305,25 +302,7 @@ async def test_an_agents_episode_earns_the_tool_rewards_an_env_driven_one_does(t
     with ProxyServer.start(proxy) as server:
         runner = Runner(proxy, base_url=server.base_url)
 
-        async def agent(task):
-            client = task.openai_client()
-            messages, by_name = list(task.messages), {t.name: t for t in task.tools}
-            for _ in range(4):
-                r = await client.chat.completions.create(
-                    model=task.model, messages=messages, tools=[t.schema for t in task.tools]
-                )
-                msg = r.choices[0].message
-                messages.append(msg.model_dump(exclude_none=True))
-                if not msg.tool_calls:
-                    return msg.content
-                for call in msg.tool_calls:
-                    out = await by_name[call.function.name].acall(call.function.arguments)
-                    messages.append(
-                        {"role": "tool", "tool_call_id": call.id, "content": out.content}
-                    )
-            return None
-
-        agentic = await runner.run_episode(make, seed=5, agent=agent)
+        agentic = await runner.run_episode(make, seed=5, agent=tool_agent)
     assert driven.success and agentic.success, (driven.error, agentic.error)
     assert agentic.reward == pytest.approx(driven.reward) == pytest.approx(1.4)
     first = agentic.episode.completions[0]
