@@ -168,9 +168,10 @@ class Proxy:
         self.privileged_keys: set[str] = {k for k in privileged_keys if k}
         """Keys that may manage any session (rewards, end, delete), like the admin key."""
         self.session_hooks = session_hooks
-        self.open_sessions = open_sessions and session_hooks is None
+        self.open_sessions = open_sessions
         """Whether ``POST /sessions`` is open to any caller (without an admin key); else it
-        needs the admin key or a privileged key (training: the trainer opens the sessions)."""
+        needs the admin key or a privileged key (training: the trainer opens the sessions).
+        With session hooks it is never open."""
         self.model_name = model_name or engine.model_name
         self.public_url = public_url.rstrip("/") if public_url else None
         self.default_max_tokens = default_max_tokens
@@ -293,25 +294,17 @@ class Proxy:
 
     async def create_session(self, request: Request) -> dict[str, Any]:
         hooks, key = self.session_hooks, self._bearer(request)
-        trusted = bool(key) and (self._is_admin(key) or self._is_privileged(key or ""))
-        if hooks is not None and not trusted:
-            raise ApiError(
-                401,
-                "POST /sessions needs the worker token in this run (its sessions are "
-                "trained on): send 'Authorization: Bearer <worker token>'",
-                kind="authentication_error",
-            )
-        if hooks is None and not self.open_sessions and not trusted:
-            raise ApiError(
-                401,
-                "this proxy opens its sessions itself (a training run): POST /sessions needs "
-                "its admin key or worker token",
-                kind="authentication_error",
-            )
-        if hooks is None and self.admin_key and not self._is_admin(key) and not trusted:
-            raise ApiError(
-                401, "POST /sessions needs the proxy's admin key", kind="authentication_error"
-            )
+        trusted = bool(key) and (self._is_admin(key or "") or self._is_privileged(key or ""))
+        closed = not self.open_sessions or hooks is not None  # hooks may be attached later
+        if not trusted and (closed or self.admin_key):  # who may open a session
+            if hooks is not None:
+                why = "the worker token in this run (its sessions are trained on): send "
+                why += "'Authorization: Bearer <worker token>'"
+            elif not self.open_sessions:
+                why = "the admin key or worker token: this proxy opens its sessions itself"
+            else:
+                why = "the proxy's admin key"
+            raise ApiError(401, f"POST /sessions needs {why}", kind="authentication_error")
         body = await _parse(request, SessionCreate, allow_empty=True)
         if hooks is not None:
             hooks.admit(body)  # may refuse: no room for a new group, a full group
