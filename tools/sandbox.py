@@ -1,9 +1,8 @@
 """Run untrusted Python code in a separate, limited process.
 
-``run_python`` starts ``sys.executable -I`` in a new process group (and, where the system
-allows it, in fresh network and PID namespaces through ``unshare``), feeds it the code on
-stdin and returns a :class:`SandboxResult`. Every failure mode ends with a specific
-message a model can read:
+``run_python`` runs ``sys.executable -I`` inside a bubblewrap (``bwrap``) sandbox, feeds it
+the code on stdin and returns a :class:`SandboxResult`. Every failure mode ends with a
+specific message a model can read:
 
 =================  =====================================================================
 kind               message
@@ -15,34 +14,60 @@ kind               message
 ``process``        ``Error: process limit reached (at most 4 processes)``
 ``program``        ``Error: running other programs is disabled in the sandbox``
 ``file_size``      ``Error: file size limit of 64 MB exceeded``
+``disk``           ``Error: disk quota of 128 MB exceeded``
 ``exception``      ``Error: ZeroDivisionError: division by zero`` (traceback in stderr)
 ``exit``           ``Error: the code exited with status 3``
 ``signal``         ``Error: the process was killed by signal SIGSEGV``
 =================  =====================================================================
 
-How each limit is enforced, in layers:
+Isolation ``"bwrap"`` (the default) is the security boundary. The code runs as an
+unprivileged user on the host: as uid 65534 (``nobody``) when the caller is root, with
+privileges dropped by ``setpriv`` before bwrap starts, else as the calling user. bwrap gives
+it fresh user, mount, PID, network, IPC, UTS and cgroup namespaces (``--unshare-all
+--unshare-user --disable-userns --new-session --die-with-parent``); the code cannot create
+further user namespaces. How each limit is enforced:
 
-- **time**: the parent waits ``timeout_s`` and then kills the whole process group (and,
-  with namespaces, the PID namespace, which takes every descendant with it).
-- **memory**: ``RLIMIT_AS`` in the child; Python raises ``MemoryError``.
-- **processes**: an audit hook (``sys.addaudithook``) in the child spends one token of a
-  pipe shared by the child and its forks for every ``os.fork``; when none is left the
-  fork fails. Starting other programs (``subprocess``, ``os.system``, ``os.exec*``) is
-  refused unless ``allow_subprocess=True``; then ``RLIMIT_NPROC`` also applies (the
-  kernel ignores it for root, so keep ``allow_subprocess`` off there).
-- **network**: the audit hook refuses every non-Unix socket, connect, bind and name
-  lookup; with namespaces the child also runs in an empty network namespace (not even
-  loopback is up), which holds for programs it starts too.
-- **files**: the child runs in a private temporary directory, removed afterwards; the
-  audit hook refuses opening for writing, creating, removing, renaming, linking or
-  changing files outside it. ``RLIMIT_FSIZE`` bounds the size of any one file.
+- **files**: the root is an empty read-only tmpfs holding only read-only binds of ``/usr``
+  (with the host's ``/bin``, ``/lib*`` links), ``/etc/ld.so.cache``, ``/etc/localtime`` and
+  the Python installation (``sys.base_prefix`` and the virtualenv, if any); no home
+  directory, no project files, no ``/etc/passwd`` or ``/etc/shadow``. ``/proc`` belongs to
+  the new PID namespace, so no other process is visible. Python directories the sandbox user
+  cannot reach (``/root/.pyenv``) are bound from mount points in a private mount namespace
+  of the launcher, never in the caller's.
+- **disk**: the working directory ``/sandbox`` (also ``HOME`` and ``TMPDIR``) and
+  ``/dev/shm`` are tmpfs of ``disk_mb`` each, gone with the sandbox; ``RLIMIT_FSIZE`` bounds
+  any one file.
+- **network**: an empty network namespace (only its own loopback); no host socket, Unix
+  sockets included, is reachable, since nothing of the host's ``/run`` or ``/tmp`` is bound.
+- **time**: the parent waits ``timeout_s`` and kills bwrap, which takes the whole PID
+  namespace with it; ``RLIMIT_CPU`` backs it up. A daemon (``setsid``, double fork) dies
+  with the sandbox too.
+- **memory**: ``RLIMIT_AS`` in each process; Python raises ``MemoryError``.
+- **processes**: ``RLIMIT_NPROC`` (counted per user namespace, so per sandbox) caps the
+  tasks alive at once at ``max_processes`` plus a few (bwrap itself, threads).
 - **output**: stdout and stderr are read as they come and cut at ``max_output_chars``
   with a marker; the rest is drained and dropped.
 
-The audit hook is a first line of defence with precise messages, not a security boundary
-on its own (code that loads C functions through ``ctypes`` can bypass it); the process,
-resource limits and namespaces are the hard layer. The child gets a minimal environment:
-no variable of the parent (API keys included) reaches it.
+An audit hook (``sys.addaudithook``) in the child also refuses sockets, writes outside the
+working directory, running programs and forks beyond ``max_processes`` in all, to give the
+precise messages above; code can switch it off (it is plain Python), and no guarantee rests
+on it. The child gets a minimal environment: no variable of the parent (API keys included)
+reaches it.
+
+Isolation ``"process"`` (``isolation="process"`` or ``AREAL_SANDBOX_ISOLATION=process``)
+is the weaker fallback where bubblewrap cannot run: the same child, as the calling user,
+on the host filesystem, in a host temporary directory, in a new process group and, where
+``unshare`` allows it, in fresh network and PID namespaces. Only the resource limits and
+those namespaces are enforced by the kernel; the audit hook is all that stands between the
+code and the caller's files, programs and sockets, and it is bypassed by changing the
+hook's globals, ``os.open(..., dir_fd=...)``, ``_posixsubprocess``, ``ctypes`` or ``setns``.
+It does not protect: reading any file the caller can read (other processes'
+``/proc/*/environ``, ``/etc/shadow`` as root), writing anywhere the caller can, running
+programs (as root, if the caller is), host Unix sockets, the process limit (root ignores
+``RLIMIT_NPROC``), a disk quota, and, without namespaces, daemons that outlive the call.
+
+Without bubblewrap (or where it cannot create user namespaces) ``"bwrap"`` refuses to start
+with :class:`SandboxUnavailableError`; install it with ``apt-get install -y bubblewrap``.
 
 Example::
 
@@ -58,6 +83,7 @@ import concurrent.futures
 import contextlib
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -65,35 +91,71 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from areal_agents.errors import UserError
 from tools.tool import Tool, ToolResult, function_tool
 
 __all__ = [
+    "ISOLATIONS",
+    "ISOLATION_ENV",
+    "SANDBOX_UID",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailableError",
+    "check_sandbox",
+    "default_isolation",
     "make_python_tool",
     "python_tool",
     "run_python",
     "run_python_sync",
 ]
 
+ISOLATIONS = ("bwrap", "process")
+"""``"bwrap"``: the bubblewrap sandbox (default); ``"process"``: the weaker in-process checks."""
+ISOLATION_ENV = "AREAL_SANDBOX_ISOLATION"
+"""The environment variable that sets the default isolation."""
+SANDBOX_UID = 65534
+"""The host uid (and gid) the code runs as when the caller is root (``nobody``)."""
+BWRAP_WORK_DIR = "/sandbox"
+"""The private working directory inside the bubblewrap sandbox."""
+
+_BWRAP_BASE_TASKS = 2  # tasks of the sandbox's user namespace before the code forks
+_THREAD_ALLOWANCE = 8  # RLIMIT_NPROC counts threads too
+_STATUS_CAP = 65536  # bytes of status records kept
+_SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")  # nothing secret, bound where present
+_INSTALL = "apt-get install -y bubblewrap"
+_FIX_HINT = {
+    "bwrap": f"Install it with `{_INSTALL}` (Debian/Ubuntu; `dnf install bubblewrap` on "
+    "Fedora), or opt into the weaker in-process sandbox with isolation='process' "
+    f"({ISOLATION_ENV}=process).",
+    "setpriv": "It is part of util-linux: `apt-get install -y util-linux`.",
+    "unshare": "It is part of util-linux: `apt-get install -y util-linux`.",
+}
+# Run by /bin/sh in the launcher's private mount namespace: bind each unreachable Python
+# directory onto its empty mount point, then exec the rest (setpriv ... bwrap ...).
+_STAGE_SCRIPT = (
+    'n=$1; shift; while [ "$n" -gt 0 ]; do mount --bind -- "$1" "$2" || exit 125; '
+    'shift 2; n=$((n - 1)); done; exec "$@"'
+)
+
 _KILL_GRACE_S = 2.0  # how long to wait for pipes to close once the process group is dead
 
-# The program the child runs (``python -I -u -B -c _CHILD_SOURCE work status config``). It
+# The program the child runs (``python -I -u -B -c _CHILD_SOURCE work status_fd config``). It
 # reads the code from stdin, applies the limits, installs the audit hook and runs the code.
-# Stdlib only; every record it writes to the status file is one JSON line.
+# Stdlib only; every record it writes to the status pipe is one JSON line.
 _CHILD_SOURCE = r"""
 import builtins, errno, json, linecache, os, resource, signal, sys, traceback
 from _socket import AF_UNIX
 
-work, status_path, cfg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+work, status_fd, cfg = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 code = sys.stdin.read()
 sys.stdin.close()
 sys.stdin = open(os.devnull)
 os.chdir(work)
-status_fd = os.open(status_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+os.set_inheritable(status_fd, False)
 main_pid = os.getpid()
 
 
@@ -109,6 +171,7 @@ mem = cfg["memory_bytes"]
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["file_bytes"], cfg["file_bytes"]))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+resource.setrlimit(resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1))
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 if cfg["nproc"] is not None:
     resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"]))
@@ -248,6 +311,8 @@ except BaseException as e:
         record("memory")
     elif isinstance(e, OSError) and e.errno == errno.EFBIG:
         record("file_size")
+    elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        record("disk")
     else:
         record("exception", (type(e).__name__ + ": " + str(e))[:500])
     namespace.clear()
@@ -265,6 +330,11 @@ os._exit(exit_code)
 """
 
 
+def default_isolation() -> str:
+    """The isolation used when none is given: ``$AREAL_SANDBOX_ISOLATION``, else ``"bwrap"``."""
+    return os.environ.get(ISOLATION_ENV, "").strip() or "bwrap"
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     """The limits of one run (see :func:`run_python` for each field)."""
@@ -275,28 +345,44 @@ class SandboxLimits:
     max_processes: int = 8
     max_file_mb: int = 64
     allow_subprocess: bool = False
+    disk_mb: int = 128
+    isolation: str = field(default_factory=default_isolation)
 
     def __post_init__(self) -> None:
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s: expected a positive number, got {self.timeout_s!r}")
         for name, low in (("memory_mb", 32), ("max_output_chars", 1), ("max_processes", 0),
-                          ("max_file_mb", 1)):  # fmt: skip
+                          ("max_file_mb", 1), ("disk_mb", 1)):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+        if self.isolation not in ISOLATIONS:
+            raise ValueError(
+                f"isolation: expected one of {', '.join(map(repr, ISOLATIONS))}, got "
+                f"{self.isolation!r} (the default comes from ${ISOLATION_ENV})"
+            )
 
     def child_config(self) -> dict[str, Any]:
         """What the child program needs to apply these limits."""
         nproc = None
-        if self.allow_subprocess and os.getuid() != 0:  # root ignores RLIMIT_NPROC
+        if self.isolation == "bwrap":
+            # Counted per user namespace: only this sandbox's tasks (threads included).
+            nproc = self.max_processes + _BWRAP_BASE_TASKS + _THREAD_ALLOWANCE
+        elif self.allow_subprocess and os.getuid() != 0:  # root ignores RLIMIT_NPROC
             nproc = _count_user_processes() + self.max_processes + 8
         return {
             "memory_bytes": self.memory_mb * 1024 * 1024,
             "file_bytes": self.max_file_mb * 1024 * 1024,
+            "cpu_s": self.cpu_s,
             "max_processes": self.max_processes,
             "allow_subprocess": self.allow_subprocess,
             "nproc": nproc,
         }
+
+    @property
+    def cpu_s(self) -> int:
+        """The CPU-time limit of each process (``RLIMIT_CPU``), a backstop to the wall time."""
+        return math.ceil(self.timeout_s) + 1
 
     def describe(
         self, rec: dict[str, Any] | None, returncode: int | None
@@ -312,12 +398,15 @@ class SandboxLimits:
             "program": "Error: running other programs is disabled in the sandbox "
             "(subprocess, os.system, os.exec*)",
             "file_size": f"Error: file size limit of {self.max_file_mb} MB exceeded",
+            "disk": f"Error: disk quota of {self.disk_mb} MB exceeded",
             "exception": f"Error: {detail}",
             "exit": f"Error: the code exited with status {detail}",
         }
         if kind in messages:
             return kind, messages[kind]
         if returncode is not None and returncode < 0:
+            if -returncode == signal.SIGXCPU:
+                return "timeout", f"Error: CPU time limit of {self.cpu_s} s exceeded"
             try:
                 name = signal.Signals(-returncode).name
             except ValueError:
@@ -338,7 +427,7 @@ class SandboxResult:
         exit_code: the process's exit status; ``None`` when it was killed.
         error: ``None`` on success, else the failure kind (``"timeout"``, ``"memory"``,
             ``"network"``, ``"write"``, ``"process"``, ``"program"``, ``"file_size"``,
-            ``"exception"``, ``"exit"``, ``"signal"``).
+            ``"disk"``, ``"exception"``, ``"exit"``, ``"signal"``).
         message: the one-line ``"Error: ..."`` message for ``error``; ``""`` on success.
         duration_s: wall time of the run.
         truncated: whether stdout or stderr was cut.
@@ -367,6 +456,10 @@ class SandboxResult:
         return self.message + ("\n" + output if output else "")
 
 
+class SandboxUnavailableError(UserError):
+    """The requested isolation cannot run on this machine; the message names the fix."""
+
+
 class _CappedReader:
     """Reads a stream to its end, keeping at most ``cap_bytes`` and counting the rest."""
 
@@ -387,6 +480,202 @@ class _CappedReader:
         if len(text) <= max_chars and self.total <= len(self.data):
             return text, False
         return text[:max_chars] + f"\n[output truncated after {max_chars} characters]", True
+
+
+# ---------------------------------------------------------------------------- bubblewrap
+
+
+def _is_under(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def _python_paths() -> list[str]:
+    """The directories the interpreter needs: its installation and the virtualenv, if any.
+
+    Each is given as written and, where symlinks are involved, also resolved, so that the
+    interpreter's own symlinks (a venv's ``bin/python`` -> the base install) resolve inside.
+    """
+    exe_home = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
+    exe_real_home = os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))
+    found: list[str] = []
+    for p in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix, exe_home,
+              exe_real_home):  # fmt: skip
+        for candidate in (os.path.abspath(p), os.path.realpath(p)):
+            if os.path.isdir(candidate) and candidate not in found:
+                found.append(candidate)
+    found.sort(key=len)
+    kept: list[str] = []
+    for p in found:
+        if p == "/":
+            raise SandboxUnavailableError(
+                f"the Python installation ({sys.executable}) lives at the filesystem root; "
+                "the sandbox cannot bind it without exposing everything"
+            )
+        if not _is_under(p, ["/usr", *kept]):
+            kept.append(p)
+    return kept
+
+
+def _reachable_by(path: str, uid: int, gid: int) -> bool:
+    """Whether ``uid``/``gid`` (no other groups) may traverse to ``path`` and list it."""
+    parts = os.path.realpath(path).split("/")
+    for i in range(1, len(parts) + 1):
+        current = "/".join(parts[:i]) or "/"
+        try:
+            st = os.stat(current)
+        except OSError:
+            return False
+        need = 0o5 if i == len(parts) else 0o1  # r-x on the target, --x on its ancestors
+        if st.st_uid == uid:
+            bits = st.st_mode >> 6
+        elif st.st_gid == gid:
+            bits = st.st_mode >> 3
+        else:
+            bits = st.st_mode
+        if bits & need != need:
+            return False
+    return True
+
+
+def _system_binds() -> list[str]:
+    """bwrap arguments for the system paths (read-only), mirroring the host's ``/bin`` links."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = "/" + name
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in _ETC_FILES:
+        args += ["--ro-bind-try", path, path]
+    return args
+
+
+@dataclass
+class _Launch:
+    """How to start one bwrap sandbox: the command prefix and what to clean up after."""
+
+    prefix: list[str]
+    stage_root: str | None = None
+
+    def cleanup(self) -> None:
+        if self.stage_root is None:
+            return
+        # Only empty mount points: the binds onto them live in the launcher's private mount
+        # namespace, never in ours. rmdir (not rmtree) keeps it that way even if one leaked.
+        for name in sorted(os.listdir(self.stage_root), reverse=True):
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(self.stage_root, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self.stage_root)
+
+
+def _which(program: str) -> str:
+    path = shutil.which(program, path=os.environ.get("PATH", "") + ":/usr/bin:/bin:/usr/sbin")
+    if path is None:
+        raise SandboxUnavailableError(
+            f"the Python sandbox needs `{program}`, which is not installed. {_FIX_HINT[program]}"
+        )
+    return path
+
+
+def _bwrap_launch(limits: SandboxLimits) -> _Launch:
+    """The command that runs a program under bubblewrap, as an unprivileged user.
+
+    As root, privileges are dropped to :data:`SANDBOX_UID` before bwrap starts (bwrap run by
+    root would map the sandbox user to host root). Python installation directories that
+    user cannot reach (``/root/.pyenv``, a root-only venv) are first bound onto empty,
+    world-readable mount points in a private mount namespace of the launcher (``unshare``),
+    so that bwrap can bind them from there; no mount is made in the caller's namespace.
+    """
+    if not sys.platform.startswith("linux"):
+        raise SandboxUnavailableError(
+            "the bubblewrap sandbox needs Linux; on this system only "
+            f"isolation='process' (or {ISOLATION_ENV}=process) is available"
+        )
+    bwrap = _which("bwrap")
+    disk = str(limits.disk_mb * 1024 * 1024)
+    args = [
+        bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+        "--new-session", "--hostname", "sandbox", *_system_binds(),
+        "--proc", "/proc", "--dev", "/dev", "--size", disk, "--tmpfs", "/dev/shm",
+        "--size", disk, "--tmpfs", BWRAP_WORK_DIR, "--chdir", BWRAP_WORK_DIR,
+    ]  # fmt: skip
+    root = os.geteuid() == 0
+    stage_root: str | None = None
+    stage: list[str] = []
+    try:
+        for path in _python_paths():
+            source = path
+            if root and not _reachable_by(path, SANDBOX_UID, SANDBOX_UID):
+                if stage_root is None:
+                    stage_root = tempfile.mkdtemp(prefix="areal-sandbox-stage-", dir="/tmp")
+                    os.chmod(stage_root, 0o755)
+                source = os.path.join(stage_root, str(len(stage) // 2))
+                os.mkdir(source, 0o755)
+                stage += [path, source]
+            args += ["--ro-bind", source, path]
+        args += ["--remount-ro", "/dev", "--remount-ro", "/", "--"]
+        if not root:
+            return _Launch(args)
+        drop = [_which("setpriv"), f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}",
+                "--clear-groups", "--inh-caps=-all", "--no-new-privs", "--"]  # fmt: skip
+        if not stage:
+            return _Launch([*drop, *args])
+        launcher = [_which("unshare"), "--mount", "--propagation", "private", "--",
+                    "/bin/sh", "-c", _STAGE_SCRIPT, "sh", str(len(stage) // 2), *stage]  # fmt: skip
+        return _Launch([*launcher, *drop, *args], stage_root)
+    except BaseException:
+        _Launch([], stage_root).cleanup()
+        raise
+
+
+_verified: set[tuple[int, str]] = set()
+
+
+def check_sandbox(isolation: str | None = None) -> None:
+    """Check that ``isolation`` (default: :func:`default_isolation`) can run here.
+
+    For ``"bwrap"`` this starts one sandbox (once per process; about 40 ms) and raises
+    :class:`SandboxUnavailableError`, naming the fix, when bubblewrap is missing or cannot
+    create its namespaces. ``"process"`` always passes.
+    """
+    mode = SandboxLimits(isolation=isolation or default_isolation()).isolation
+    if mode != "bwrap" or (os.geteuid(), sys.executable) in _verified:
+        return
+    launch = _bwrap_launch(SandboxLimits(isolation="bwrap"))
+    try:
+        done = subprocess.run(
+            [*launch.prefix, sys.executable, "-I", "-S", "-c", "import os; print(os.getuid())"],
+            capture_output=True,
+            timeout=60,
+            env={"PATH": _SANDBOX_PATH, "LC_ALL": "C.UTF-8"},
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SandboxUnavailableError(f"bubblewrap could not be started: {exc}") from exc
+    finally:
+        launch.cleanup()
+    uid = done.stdout.decode(errors="replace").strip()
+    if done.returncode != 0 or uid != str(_expected_sandbox_uid()):
+        detail = done.stderr.decode(errors="replace").strip()[-600:] or f"uid {uid!r}"
+        raise SandboxUnavailableError(
+            f"bubblewrap cannot start a sandbox here ({detail}). It needs unprivileged user "
+            "namespaces: `sysctl user.max_user_namespaces` must be > 0 and, where it exists, "
+            "`sysctl kernel.unprivileged_userns_clone` = 1 (Ubuntu 24.04+: also "
+            "`kernel.apparmor_restrict_unprivileged_userns=0`); in a container, allow user "
+            "namespaces (e.g. Docker's default seccomp profile blocks them: "
+            "`--security-opt seccomp=unconfined`). Or opt into the weaker in-process "
+            f"sandbox with isolation='process' ({ISOLATION_ENV}=process)."
+        )
+    _verified.add((os.geteuid(), sys.executable))
+
+
+def _expected_sandbox_uid() -> int:
+    return SANDBOX_UID if os.geteuid() == 0 else os.getuid()
+
+
+# ---------------------------------------------------------------------------- in-process
 
 
 @functools.cache
@@ -421,12 +710,12 @@ def _count_user_processes() -> int:
     return count
 
 
-def _child_env(work: str) -> dict[str, str]:
+def _child_env(work: str, path: str) -> dict[str, str]:
     """A minimal environment: nothing of the parent's (secrets) leaks into the child."""
     env = {"HOME": work, "TMPDIR": work, "TMP": work, "TEMP": work, "LANG": "C.UTF-8",
            "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}  # fmt: skip
-    env["PATH"] = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env["PATH"] = path
     return env
 
 
@@ -435,15 +724,16 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _read_status(path: str) -> dict[str, Any] | None:
+def _parse_status(data: bytes) -> dict[str, Any] | None:
     """The record written by the main process, else the first one written by a fork."""
-    records = []
-    with contextlib.suppress(OSError), open(path, encoding="utf-8") as f:
-        for line in f:
-            with contextlib.suppress(ValueError):
-                records.append(json.loads(line))
+    records: list[dict[str, Any]] = []
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if isinstance(rec, dict):
+                records.append(rec)
     main = [rec for rec in records if rec.get("main")]
-    return (main or records or [None])[0]
+    return (main or records)[0] if records else None
 
 
 async def run_python(
@@ -455,62 +745,100 @@ async def run_python(
     max_processes: int = 8,
     max_file_mb: int = 64,
     allow_subprocess: bool = False,
+    disk_mb: int = 128,
+    isolation: str | None = None,
     use_namespaces: bool | None = None,
 ) -> SandboxResult:
     """Run ``code`` in a fresh sandboxed Python process and capture what it printed.
 
     Args:
         code: Python source, run as ``__main__`` in a private temporary directory.
-        timeout_s: wall-time limit; the process group is killed after it.
+        timeout_s: wall-time limit; the sandbox is killed after it.
         memory_mb: address-space limit of each process (``RLIMIT_AS``).
         max_output_chars: stdout and stderr are each cut after this many characters.
         max_processes: how many processes the code may start in all (forks included).
         max_file_mb: the largest file the code may write.
         allow_subprocess: allow starting other programs (they escape the audit hook;
-            only the kernel-level limits apply to them).
-        use_namespaces: run in fresh network and PID namespaces through ``unshare``;
-            ``None`` uses them when the system allows it.
+            only the sandbox and the kernel-level limits apply to them).
+        disk_mb: the size of the private directory (and of ``/dev/shm``), ``"bwrap"`` only.
+        isolation: ``"bwrap"`` (bubblewrap, unprivileged user, the security boundary) or
+            ``"process"`` (the weaker in-process checks, see the module docstring);
+            ``None`` reads ``$AREAL_SANDBOX_ISOLATION``, defaulting to ``"bwrap"``.
+        use_namespaces: ``"process"`` only: run in fresh network and PID namespaces through
+            ``unshare``; ``None`` uses them when the system allows it.
 
     Returns:
-        A :class:`SandboxResult`; failures are reported in it, never raised.
+        A :class:`SandboxResult`; failures of the code are reported in it, never raised.
 
     Raises:
         TypeError, ValueError: a limit or ``code`` has the wrong type or value.
+        SandboxUnavailableError: ``"bwrap"`` cannot run here (the message names the fix).
     """
     if not isinstance(code, str):
         raise TypeError(f"code: expected str, got {type(code).__name__}")
     limits = SandboxLimits(
-        timeout_s, memory_mb, max_output_chars, max_processes, max_file_mb, allow_subprocess
-    )
-    prefix = _namespace_prefix() if use_namespaces in (None, True) else ()
-    if use_namespaces and not prefix:
-        raise ValueError("use_namespaces=True but `unshare` cannot create namespaces here")
-    root = tempfile.mkdtemp(prefix="areal-sandbox-")
-    work, status_path = os.path.join(root, "work"), os.path.join(root, "status.jsonl")
-    os.mkdir(work, 0o700)
-    argv = [sys.executable, "-I", "-u", "-B", "-c", _CHILD_SOURCE, work, status_path]
+        timeout_s, memory_mb, max_output_chars, max_processes, max_file_mb, allow_subprocess,
+        disk_mb, isolation or default_isolation(),
+    )  # fmt: skip
+    root: str | None = None
+    launch: _Launch | None = None
+    if limits.isolation == "bwrap":
+        if use_namespaces is not None:
+            raise ValueError(
+                "use_namespaces applies to isolation='process' only (bwrap always runs the "
+                "code in fresh namespaces)"
+            )
+        if (os.geteuid(), sys.executable) not in _verified:
+            await asyncio.to_thread(check_sandbox, "bwrap")
+        launch = _bwrap_launch(limits)
+        prefix, work, path = launch.prefix, BWRAP_WORK_DIR, _SANDBOX_PATH
+    else:
+        prefix = list(_namespace_prefix()) if use_namespaces in (None, True) else []
+        if use_namespaces and not prefix:
+            raise ValueError("use_namespaces=True but `unshare` cannot create namespaces here")
+        root = tempfile.mkdtemp(prefix="areal-sandbox-")
+        work = os.path.join(root, "work")
+        os.mkdir(work, 0o700)
+        path = os.environ.get("PATH", _SANDBOX_PATH)
+    status_r, status_w = os.pipe()
     start = time.monotonic()
     proc: asyncio.subprocess.Process | None = None
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *prefix,
-            *argv,
-            json.dumps(limits.child_config()),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=_child_env(work),
-            cwd=work,
-            start_new_session=True,
-        )
-        return await _supervise(proc, code, start, status_path, limits)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *prefix,
+                sys.executable,
+                "-I",
+                "-u",
+                "-B",
+                "-c",
+                _CHILD_SOURCE,
+                work,
+                str(status_w),
+                json.dumps(limits.child_config()),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=_child_env(work, path),
+                cwd=work if root is not None else "/",
+                start_new_session=True,
+                pass_fds=(status_w,),
+            )
+        finally:
+            os.close(status_w)
+        return await _supervise(proc, code, start, status_r, limits)
     finally:  # also on cancellation: nothing outlives the call
         if proc is not None:
             _kill_group(proc.pid)
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
-        shutil.rmtree(root, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.close(status_r)  # already closed (by its transport) once supervised
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+        if launch is not None:
+            launch.cleanup()
 
 
 async def _exit_status(proc: asyncio.subprocess.Process) -> int:
@@ -526,19 +854,32 @@ async def _exit_status(proc: asyncio.subprocess.Process) -> int:
     return proc.returncode
 
 
+async def _pipe_stream(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    """An asyncio stream reading the pipe ``fd`` (which the transport then owns)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    return reader, transport
+
+
 async def _supervise(
     proc: asyncio.subprocess.Process,
     code: str,
     start: float,
-    status_path: str,
+    status_fd: int,
     limits: SandboxLimits,
 ) -> SandboxResult:
     """Feed the code, wait up to the time limit, kill the group, collect the result."""
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     stdin = proc.stdin
     cap = limits.max_output_chars * 4 + 4
-    out, err = _CappedReader(cap), _CappedReader(cap)
-    readers = asyncio.gather(out.read(proc.stdout), err.read(proc.stderr))
+    out, err, status = _CappedReader(cap), _CappedReader(cap), _CappedReader(_STATUS_CAP)
+    status_stream, status_transport = await _pipe_stream(status_fd)
+    readers = asyncio.gather(
+        out.read(proc.stdout), err.read(proc.stderr), status.read(status_stream)
+    )
 
     async def feed_and_wait() -> int:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -562,11 +903,15 @@ async def _supervise(
         readers.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await readers
+        status_transport.close()
     error: str | None
+    record = _parse_status(bytes(status.data))
+    if limits.isolation == "bwrap" and record is None and 128 < returncode < 128 + 65:
+        returncode = 128 - returncode  # bwrap reports a signal N as exit status 128 + N
     if timed_out:
         error, message = "timeout", f"Error: timed out after {float(limits.timeout_s)} s"
     else:
-        error, message = limits.describe(_read_status(status_path), returncode)
+        error, message = limits.describe(record, returncode)
     stdout, cut_out = out.text(limits.max_output_chars)
     stderr, cut_err = err.text(limits.max_output_chars)
     return SandboxResult(
@@ -601,14 +946,25 @@ def make_python_tool(
     memory_mb: int = 512,
     max_output_chars: int = 8000,
     max_processes: int = 8,
+    disk_mb: int = 128,
+    isolation: str | None = None,
 ) -> Tool:
     """A tool that runs the model's code with :func:`run_python` under these limits.
 
     The tool returns what the code printed (``"(no output)"`` when nothing). A failure
     becomes a :class:`ToolResult` with the specific ``"Error: ..."`` message followed by the
     output, and ``error="timeout"`` for a timeout, ``"tool_exception"`` otherwise.
+
+    Raises:
+        SandboxUnavailableError: the isolation (default ``"bwrap"``) cannot run here; the
+            tool refuses to start rather than run the code less isolated.
     """
-    SandboxLimits(timeout_s, memory_mb, max_output_chars, max_processes)  # validate now
+    limits = SandboxLimits(
+        timeout_s, memory_mb, max_output_chars, max_processes, disk_mb=disk_mb,
+        isolation=isolation or default_isolation(),
+    )  # fmt: skip
+    check_sandbox(limits.isolation)
+    mode = limits.isolation
 
     async def python(code: str) -> ToolResult:
         """Run code in a fresh process and return its printed output.
@@ -622,6 +978,8 @@ def make_python_tool(
             memory_mb=memory_mb,
             max_output_chars=max_output_chars,
             max_processes=max_processes,
+            disk_mb=disk_mb,
+            isolation=mode,
         )
         if result.ok:
             return ToolResult(result.to_text())
@@ -637,5 +995,14 @@ def make_python_tool(
     return function_tool(python, name=name, description=description)  # type: ignore[no-any-return]
 
 
-python_tool: Tool = make_python_tool()
-"""The default ``python`` tool (10 s, 512 MB, 8000 characters of output per stream)."""
+python_tool: Tool
+"""The default ``python`` tool (10 s, 512 MB, 8000 characters of output per stream), built on
+first use: where bubblewrap cannot run, using it raises :class:`SandboxUnavailableError`."""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "python_tool":
+        tool = make_python_tool()
+        globals()["python_tool"] = tool
+        return tool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

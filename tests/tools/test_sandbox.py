@@ -1,5 +1,7 @@
 """The sandboxed Python executor: output, every failure mode with its message, limits,
-isolation and concurrency. Limits are small so the whole file runs in a few seconds."""
+isolation and concurrency. Limits are small so the whole file runs in a few seconds. The
+tests run under the default isolation (bubblewrap); escape attempts are in
+``test_sandbox_escape.py``."""
 
 from __future__ import annotations
 
@@ -9,7 +11,16 @@ from typing import Any
 
 import pytest
 
-from tools.sandbox import make_python_tool, python_tool, run_python, run_python_sync
+import tools.sandbox as sandbox
+from tools.sandbox import (
+    SandboxLimits,
+    SandboxUnavailableError,
+    check_sandbox,
+    make_python_tool,
+    python_tool,
+    run_python,
+    run_python_sync,
+)
 from tools.tool import Tool
 
 FAST: dict[str, Any] = {"timeout_s": 5.0, "memory_mb": 256, "max_output_chars": 2000}
@@ -77,7 +88,12 @@ async def test_starting_programs_is_refused() -> None:
     assert result.error == "program"
 
 
-@pytest.mark.parametrize("use_namespaces", [None, False])
+# (isolation, use_namespaces): bubblewrap, and the in-process mode with and without unshare.
+MODES = [("bwrap", None), ("process", None), ("process", False)]
+MODE_IDS = ["bwrap", "process", "process-no-namespaces"]
+
+
+@pytest.mark.parametrize(("isolation", "use_namespaces"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize(
     "code",
     [
@@ -87,8 +103,10 @@ async def test_starting_programs_is_refused() -> None:
     ],
     ids=["connect", "dns", "urllib"],
 )
-async def test_network_access_is_disabled(code: str, use_namespaces: bool | None) -> None:
-    result = await run_python(code, **FAST, use_namespaces=use_namespaces)
+async def test_network_access_is_disabled(
+    code: str, isolation: str, use_namespaces: bool | None
+) -> None:
+    result = await run_python(code, **FAST, isolation=isolation, use_namespaces=use_namespaces)
     assert result.error == "network"
     assert result.message == "Error: network access is disabled in the sandbox"
 
@@ -178,14 +196,21 @@ async def test_concurrent_runs_are_isolated() -> None:
     results = await asyncio.gather(
         *(run_python(code.replace("{i}", str(i)), **FAST) for i in range(8))
     )
-    cwds = set()
     for i, result in enumerate(results):
         assert result.ok, result.to_text()
         index, content, *_rest, cwd = result.stdout.split()
         assert (index, content) == (str(i), str(i))
-        assert "['mine.txt']" in result.stdout
-        cwds.add(cwd)
-    assert len(cwds) == 8
+        assert "['mine.txt']" in result.stdout  # each sees only its own private directory
+        assert cwd == "/sandbox"  # the same path, a separate tmpfs in each sandbox
+
+
+async def test_concurrent_runs_in_process_mode_get_separate_directories() -> None:
+    code = "import time\ntime.sleep(0.1)\nprint(__import__('os').getcwd())"
+    results = await asyncio.gather(
+        *(run_python(code, **FAST, isolation="process") for _ in range(4))
+    )
+    assert all(result.ok for result in results)
+    assert len({result.stdout for result in results}) == 4
 
 
 def test_sync_wrapper_outside_and_inside_an_event_loop() -> None:
@@ -220,10 +245,67 @@ def test_python_tool_returns_output_or_a_clear_failure() -> None:
     assert tool.call({}).error == "bad_arguments"
 
 
-@pytest.mark.parametrize("use_namespaces", [None, False])
-async def test_leftover_forks_are_killed_when_the_code_ends(use_namespaces: bool | None) -> None:
+@pytest.mark.parametrize(("isolation", "use_namespaces"), MODES, ids=MODE_IDS)
+async def test_leftover_forks_are_killed_when_the_code_ends(
+    isolation: str, use_namespaces: bool | None
+) -> None:
     code = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\nprint('done')"
-    result = await run_python(code, timeout_s=5.0, max_processes=1, use_namespaces=use_namespaces)
+    result = await run_python(
+        code, timeout_s=5.0, max_processes=1, isolation=isolation, use_namespaces=use_namespaces
+    )
     assert result.ok, result.to_text()
     assert result.stdout == "done\n"
     assert result.duration_s < 2.0  # not held up by the sleeping fork
+
+
+async def test_disk_quota_and_signals_are_reported() -> None:
+    result = await run_python("open('big', 'wb').write(b'x' * (3 << 20))", **FAST, disk_mb=2)
+    assert (result.error, result.message) == ("disk", "Error: disk quota of 2 MB exceeded")
+    result = await run_python("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", **FAST)
+    assert result.error == "signal" and result.exit_code is None
+    assert result.message == "Error: the process was killed by signal SIGSEGV"
+    result = await run_python("import sys\nsys.exit(139)", **FAST)  # not mistaken for a signal
+    assert (result.error, result.exit_code) == ("exit", 139)
+
+
+def test_isolation_is_chosen_explicitly(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert SandboxLimits().isolation == "bwrap"
+    monkeypatch.setenv("AREAL_SANDBOX_ISOLATION", "process")
+    assert SandboxLimits().isolation == "process"
+    assert "areal-sandbox-" in run_python_sync("import os\nprint(os.getcwd())", **FAST).stdout
+    monkeypatch.setenv("AREAL_SANDBOX_ISOLATION", "none")
+    with pytest.raises(ValueError, match="isolation: expected one of 'bwrap', 'process'"):
+        SandboxLimits()
+    with pytest.raises(ValueError, match="use_namespaces applies to isolation='process'"):
+        run_python_sync("pass", isolation="bwrap", use_namespaces=False)
+
+
+def test_missing_bubblewrap_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "_verified", set())
+    real_which = sandbox.shutil.which
+    monkeypatch.setattr(
+        sandbox.shutil,
+        "which",
+        lambda name, **kw: None if name == "bwrap" else real_which(name, **kw),
+    )
+    with pytest.raises(SandboxUnavailableError, match="apt-get install -y bubblewrap"):
+        make_python_tool()
+    with pytest.raises(SandboxUnavailableError, match="isolation='process'"):
+        run_python_sync("print(1)")
+    # The explicit opt-in still runs (the weaker in-process checks).
+    tool = make_python_tool(isolation="process", timeout_s=5.0)
+    assert tool.call({"code": "print(2)"}).content == "2\n"
+
+
+def test_bubblewrap_without_user_namespaces_refuses_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    failing = ["/bin/sh", "-c", "echo 'bwrap: setting up uid map: Permission denied' >&2; exit 1"]
+    monkeypatch.setattr(sandbox, "_verified", set())
+    monkeypatch.setattr(sandbox, "_bwrap_launch", lambda limits: sandbox._Launch([*failing, "sh"]))
+    with pytest.raises(SandboxUnavailableError) as info:
+        check_sandbox("bwrap")
+    text = str(info.value)
+    assert "setting up uid map: Permission denied" in text
+    assert "user.max_user_namespaces" in text and "isolation='process'" in text
+    check_sandbox("process")  # always available
