@@ -159,7 +159,8 @@ class EmbeddedSpec:
 
     ``model``: a path that exists on the engine's node, a hub id, or None for the default model
     (prepared on that node on first use). ``adapter``: a saved LoRA adapter directory (on the
-    engine's node) applied on top.
+    engine's node) applied on top. ``max_context``: the longest prompt + output in tokens
+    (None: the model's own limit).
     """
 
     model: str | None = None
@@ -167,6 +168,7 @@ class EmbeddedSpec:
     device: str | None = None
     adapter: str | None = None
     max_batch_size: int = 64
+    max_context: int | None = None
 
     def __call__(self) -> Engine:
         from .chat import ChatTokenizer
@@ -182,6 +184,7 @@ class EmbeddedSpec:
             adapter=self.adapter,
             decode=decode,
             max_batch_size=self.max_batch_size,
+            max_context=self.max_context,
         )
 
     @property

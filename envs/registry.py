@@ -23,6 +23,7 @@ This module adds:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.metadata
 import inspect
@@ -32,9 +33,9 @@ from typing import Any
 
 import gymnasium
 
-from areal_agents.errors import EnvNotFound
+from areal_agents.errors import ArealError, ConfigError, EnvNotFound
 
-__all__ = ["ENTRY_POINT_GROUP", "list_envs", "load_plugins", "make", "register"]
+__all__ = ["ENTRY_POINT_GROUP", "list_envs", "load_plugins", "make", "probe", "register"]
 
 ENTRY_POINT_GROUP = "areal_agents.envs"
 
@@ -171,6 +172,42 @@ def make(id: str, **kwargs: Any) -> Any:
     if id not in gymnasium.registry:
         raise EnvNotFound(_not_found_message(id))
     return gymnasium.make(id, disable_env_checker=True, **kwargs).unwrapped
+
+
+def probe(make_env: Callable[[], Any], *, seed: int | None, what: str) -> None:
+    """Make one env with ``make_env`` and reset it with ``seed``, once, before a run's first
+    episode: a configuration error (bad constructor kwargs, a missing part such as tau2's
+    user simulator, a reset that reports ``info["error"]``) then fails the command with its
+    message, instead of ending every episode as ``env_error``.
+
+    Raises:
+        ConfigError: the message starts with ``what`` (where the env's settings come from,
+            e.g. ``"--env-kwargs"`` or ``"env.kwargs"``) and carries the env's own error.
+        EnvNotFound: the id is not registered.
+    """
+    try:
+        env = make_env()
+    except EnvNotFound:
+        raise
+    except ArealError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(f"{what}: cannot make the env: {type(exc).__name__}: {exc}") from None
+    try:
+        _, info = env.reset(seed=seed)
+    except ArealError as exc:
+        raise ConfigError(f"{what}: the env's first reset failed: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(
+            f"{what}: the env's first reset failed: {type(exc).__name__}: {exc}"
+        ) from None
+    finally:
+        with contextlib.suppress(Exception):  # closing is best effort
+            env.close()
+    error = info.get("error") if isinstance(info, dict) else None
+    if error:
+        message = error.get("message", error) if isinstance(error, dict) else error
+        raise ConfigError(f"{what}: the env's first reset reported an error: {message}")
 
 
 def _not_found_message(id: str) -> str:

@@ -125,7 +125,8 @@ class ModelConfig(_Checked):
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     max_context: int | None = None
-    """Longest prompt + output in tokens; None = the model's own limit."""
+    """Longest prompt + output in tokens: the engine stops there and the proxy refuses a
+    prompt this long (400 ``context_length_exceeded``); None = the model's own limit."""
 
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
         device_ok = bool(re.fullmatch(r"(cpu|cuda|mps|xpu)(:\d+)?", self.device or "cpu"))
@@ -258,11 +259,13 @@ class OptimConfig(_Checked):
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this; None = no clipping."""
     warmup_steps: int = 0
-    """Steps of linear warmup from 0 to lr."""
+    """Training steps of linear warmup: step k of them runs at lr * k / warmup_steps."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning rate after warmup: constant, or decayed to 0 at total_steps."""
+    """Learning rate after warmup: constant, or decayed (linearly or along a half cosine) to
+    0 at total_steps; counted in training steps, every mini-batch of a step at the same rate
+    (formulas in ``trainer.schedule``). Logged as ``optim/lr``."""
     total_steps: int | None = None
-    """Length of the schedule in steps; None = train.steps."""
+    """Length of the schedule in training steps; None = train.steps."""
 
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
         clip, total = self.grad_clip, self.total_steps
@@ -318,7 +321,8 @@ class CriticConfig(_Checked):
     path: str | None = None
     """Initial weights of the critic's backbone; None = the policy's (``model.path``)."""
     lr: float = 1e-5
-    """Learning rate of the critic's own AdamW (betas, decay and clip from ``optim``)."""
+    """Peak learning rate of the critic's own AdamW (betas, decay, clip and the schedule's
+    warmup and decay from ``optim``)."""
     lam: float = 0.95
     """GAE's lambda in [0, 1]: 1 = Monte-Carlo returns, 0 = one-step TD targets."""
     value_clip: float | None = 0.2
@@ -400,14 +404,24 @@ class SFTConfig(_Checked):
     lr: float = 1e-5
     """Learning rate of the warm start, > 0."""
     kind: Literal["messages", "episodes"] = "messages"
-    """Demo format: OpenAI chat messages (rendered by the template) or recorded episodes."""
+    """Demo format: OpenAI chat messages (rendered by the chat template with the env's
+    tools), or recorded episodes (an ``episodes.jsonl`` of ``areal-agent eval --out``),
+    trained on their recorded samples: only the tokens the model sampled, skipping episodes
+    that failed or ended in an error."""
 
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        episodes = self.kind == "episodes"
         return (
             (
                 "demos",
                 bool(self.demos) or self.generate > 0 or not self.enabled,
                 "a JSONL path when sft is enabled (or set sft.generate to write demos)",
+            ),
+            (
+                "kind",
+                not (episodes and self.generate),
+                "'messages' with sft.generate (it writes chat messages); or give recorded "
+                "episodes as sft.demos and remove sft.generate",
             ),
             ("generate", self.generate >= 0, ">= 0 (0 = read sft.demos)"),
             ("epochs", self.epochs >= 1, ">= 1"),

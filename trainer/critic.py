@@ -26,8 +26,11 @@ Choices made:
   the values the advantages came from.
 * The value loss (``trainer.loss.value_loss``) uses the policy loss's per-token weights, so
   each episode weighs the same in both losses.
+* The critic's rate ``critic.lr`` follows the policy's schedule (``optim.schedule``, its
+  warmup and decay; :mod:`trainer.schedule`) with ``critic.lr`` as its peak.
 * ``save`` / ``load`` keep the trained tensors (the whole model, or the adapters and the
-  head) and the optimizer state; a checkpoint of the wrong shape is refused by name.
+  head), the optimizer state and the schedule's position; a checkpoint of the wrong shape
+  is refused by name.
 
 Left out: a value head sharing the policy's backbone, value-model warm-up before PPO,
 several critic epochs per batch.
@@ -49,7 +52,8 @@ from areal_agents.hardware import default_device
 
 from .advantage import tree_gae, whiten
 from .loss import explained_variance
-from .policy import Packed, make_packed, pack
+from .policy import Packed, load_schedule, make_packed, pack, step_scheduler
+from .schedule import LrSchedule
 
 if TYPE_CHECKING:
     from areal_agents.trajectory import Episode, TrainingSample
@@ -76,7 +80,10 @@ class Critic:
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float = 1.0,
         compute_lock: Any = None,
+        schedule: LrSchedule | None = None,
     ) -> None:
+        """``schedule``: the policy's learning-rate schedule shape (warmup, decay) with peak
+        ``lr``, advanced by :meth:`step_schedule` once per training step."""
         from transformers import AutoModel
 
         self.device = torch.device(default_device(device))
@@ -99,6 +106,8 @@ class Critic:
         self.optimizer = torch.optim.AdamW(
             list(self.params.values()), lr=lr, weight_decay=weight_decay, betas=betas
         )
+        self.schedule = schedule or LrSchedule()
+        self.scheduler = self.schedule.scheduler(self.optimizer)
         self.grad_clip = grad_clip
         self._compute = compute_lock or contextlib.nullcontext()
 
@@ -148,9 +157,18 @@ class Critic:
         totals["value_grad_norm"] = float(norm)
         return totals
 
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def step_schedule(self) -> None:
+        """Advance the learning-rate schedule by one training step."""
+        step_scheduler(self.scheduler)
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str | Path) -> None:
-        """The trained tensors (``weights.safetensors``) and the optimizer state."""
+        """The trained tensors (``weights.safetensors``), optimizer and schedule state."""
         from safetensors.torch import save_file
 
         d = Path(directory)
@@ -158,6 +176,7 @@ class Critic:
         tensors = {n: p.detach().cpu().contiguous() for n, p in self.params.items()}
         save_file(tensors, str(d / "weights.safetensors"))
         torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
 
     def load(self, directory: str | Path) -> None:
         from safetensors.torch import load_file
@@ -181,6 +200,7 @@ class Critic:
             for n, p in self.params.items():
                 p.copy_(tensors[n].to(p.device, p.dtype))
         self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=False))
+        load_schedule(self.scheduler, self.schedule, d / "scheduler.pt")
 
 
 # ---------------------------------------------------------------------------- GAE inputs

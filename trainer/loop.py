@@ -69,6 +69,7 @@ from .critic import Critic
 from .metrics import MetricsWriter
 from .policy import Policy
 from .rollout import Group, build_rollout
+from .schedule import LrSchedule
 
 log = logging.getLogger(__name__)
 ENGINE_COUNTERS = (
@@ -134,6 +135,7 @@ class Trainer:
             "betas": tuple(cfg.optim.betas),
             "grad_clip": cfg.optim.grad_clip or float("inf"),
             "compute_lock": lock,
+            "schedule": lr_schedule(cfg),
         }
         self.policy = Policy(
             self.model_path,
@@ -179,16 +181,30 @@ class Trainer:
         await self.source.start(version=self.state.step)
 
     def _warm_start(self) -> None:
-        """Supervised warm start on ``sft.demos``, rendered with the env's tools; with an
-        in-process agent, the way that agent's prompts look (``observe_prompt``). Runs on a
+        """Supervised warm start on ``sft.demos``: chat messages rendered with the env's tools
+        (with an in-process agent, the way that agent's prompts look: ``observe_prompt``), or
+        recorded episodes' training samples as they are (``sft.kind: episodes``). Runs on a
         thread of its own (the agent probe gets an event loop of its own there)."""
         from areal_agents.task_agent import observe_prompt
 
-        from .sft import demo_tools, load_demos, run_sft
+        from .sft import demo_tools, load_demos, load_episode_samples, run_sft
 
         cfg = self.cfg
-        if cfg.sft.kind != "messages":
-            raise ConfigError("sft.kind=episodes is not supported yet; use sft.kind=messages")
+        if cfg.sft.kind == "episodes":  # recorded token ids: no env, template or agent
+            vocab = int(self.policy.model.get_input_embeddings().weight.shape[0])
+            pairs, skipped = load_episode_samples(cfg.sft.demos or "", vocab)
+            self._finish_warm_start(
+                run_sft(
+                    self.policy,
+                    self.tokenizer,
+                    [],
+                    None,
+                    tokenized=pairs,
+                    skipped_episodes=skipped,
+                    **self._sft_args(),
+                )
+            )
+            return
         info: dict[str, Any] = {}
         maker = None
         if self.make_env is not None:  # None: a self-rewarded run, no env
@@ -218,18 +234,23 @@ class Trainer:
             )
             demos = [d if d[: len(prefix)] == prefix else [*prefix, *d] for d in demos]
         tools = demo_tools(path) or tools  # rows rendered for an agent carry its tools
-        stats = run_sft(
-            self.policy,
-            self.tokenizer,
-            demos,
-            tools,
-            epochs=cfg.sft.epochs,
-            lr=cfg.sft.lr,
-            micro_batch_tokens=cfg.train.micro_batch_tokens,
-            seed=cfg.train.seed,
-            progress=not self.quiet,
+        self._finish_warm_start(
+            run_sft(self.policy, self.tokenizer, demos, tools, **self._sft_args())
         )
-        self.policy.reset_optimizer(cfg.optim.lr)
+
+    def _sft_args(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "epochs": cfg.sft.epochs,
+            "lr": cfg.sft.lr,
+            "micro_batch_tokens": cfg.train.micro_batch_tokens,
+            "seed": cfg.train.seed,
+            "progress": not self.quiet,
+        }
+
+    def _finish_warm_start(self, stats: dict[str, float]) -> None:
+        """A fresh optimizer and schedule for RL; the warm start's stats in ``sft.json``."""
+        self.policy.reset_optimizer(self.cfg.optim.lr)
         (self.out / "sft.json").write_text(json.dumps(stats))
         if not self.quiet:
             print(f"warm start: {stats}", file=sys.stderr)
@@ -370,6 +391,9 @@ class Trainer:
                 self.critic.values, batch.seqs, cfg.train.micro_batch_tokens
             )
             bstats.update(add_gae(batch, values, self.spec))
+        lrs = {"optim/lr": self.policy.lr}  # the rates of this step's updates
+        if self.critic is not None:
+            lrs["optim/critic_lr"] = self.critic.lr
         stats = await asyncio.to_thread(policy_updates, self.policy, batch, self.spec, cfg, version)
         policy_keys = set(stats) - {"grad_norm", "micro_batches", "entropy_sum", "tokens"}
         if self.critic is not None:
@@ -379,6 +403,7 @@ class Trainer:
             )
             stats.update(vstats)
             bstats["value_loss"] = vstats["value_loss"]
+            self.critic.step_schedule()
         t_train = time.perf_counter() - t0
         tokens = stats.pop("tokens", 0.0) or 1.0
         stale = [
@@ -407,6 +432,7 @@ class Trainer:
             "train_s": t_train,
             "version": float(version),
             "elapsed_s": self._elapsed(),
+            **lrs,
             **bstats,
             **{
                 f"loss/{k}": float(v) if k in ADDITIVE_STATS or k not in policy_keys else v / tokens
@@ -474,7 +500,14 @@ def policy_updates(
     for k in (*ADDITIVE_STATS, "grad_norm"):
         if k in totals:
             totals[k] /= len(parts)
+    policy.step_schedule()  # once per training step: every mini-batch used the same rate
     return totals
+
+
+def lr_schedule(cfg: TrainConfig) -> LrSchedule:
+    """``optim.schedule`` with its warmup over ``optim.total_steps`` (None = ``train.steps``)."""
+    o = cfg.optim
+    return LrSchedule(o.schedule, o.warmup_steps, o.total_steps or cfg.train.steps)
 
 
 def out_of_time_budget(elapsed_s: float, recent_steps_s: list[float], limit_s: float) -> bool:

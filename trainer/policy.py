@@ -41,6 +41,7 @@ from areal_agents.hardware import default_device
 from areal_agents.trajectory import common_prefix_len
 
 from .loss import entropy_from_logits, scale_logits
+from .schedule import LrSchedule
 
 
 @dataclass
@@ -249,6 +250,37 @@ def token_logprobs(
     return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, -1)
 
 
+def step_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """``scheduler.step()``, without torch's warning for a step whose optimizer update was
+    skipped (the schedule counts training steps, updates or not)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
+        )
+        scheduler.step()
+
+
+def load_schedule(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, schedule: LrSchedule, path: Path
+) -> None:
+    """Restore a saved schedule position. A checkpoint written before schedules were saved
+    (no ``scheduler.pt``) resumes a constant rate as it is and refuses any other schedule,
+    naming the fix."""
+    from areal_agents.errors import ConfigError
+
+    if not path.exists():
+        if schedule == LrSchedule(total_steps=schedule.total_steps):  # constant, no warmup
+            return
+        raise ConfigError(
+            f"{path.parent} has no scheduler.pt (the learning-rate schedule's position); it "
+            "was written by an older version: resume it with optim.schedule=constant and "
+            "optim.warmup_steps=0, or start a new run (set train.output_dir)"
+        )
+    scheduler.load_state_dict(torch.load(path, weights_only=False))
+
+
 LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, dict]]
 """(item indices, per-item token logprobs [len-1], per-item entropies) -> (loss, stats)."""
 
@@ -271,8 +303,11 @@ class Policy:
         compute_lock: Any = None,
         reference: bool = False,
         share_prefixes: bool = True,
+        schedule: LrSchedule | None = None,
     ) -> None:
-        """``reference``: keep the starting weights as the reference policy of a KL penalty
+        """``schedule``: the learning-rate schedule with peak ``lr`` (:mod:`trainer.schedule`;
+        None = constant), advanced by :meth:`step_schedule` once per training step.
+        ``reference``: keep the starting weights as the reference policy of a KL penalty
         (:meth:`ref_logprobs`). With LoRA that costs nothing (the base without the adapter
         is the reference); a full fine-tune keeps a frozen copy of the model.
         ``share_prefixes``: compute shared prefixes once (the tree layout of
@@ -301,6 +336,8 @@ class Policy:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, weight_decay=weight_decay, betas=betas
         )
+        self.schedule = schedule or LrSchedule()
+        self.scheduler = self.schedule.scheduler(self.optimizer)
         self.grad_clip = grad_clip
         attn = str(getattr(model.config, "_attn_implementation", "") or "")
         self.share_prefixes = share_prefixes and not attn.startswith("flash")
@@ -309,11 +346,22 @@ class Policy:
         self._compute = compute_lock or contextlib.nullcontext()
 
     def reset_optimizer(self, lr: float) -> None:
-        """A fresh optimizer state (after a warm start, before RL)."""
+        """A fresh optimizer state and schedule, peak ``lr`` (after a warm start, before RL)."""
         group = self.optimizer.param_groups[0]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, weight_decay=group["weight_decay"], betas=group["betas"]
         )
+        self.scheduler = self.schedule.scheduler(self.optimizer)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def step_schedule(self) -> None:
+        """Advance the learning-rate schedule by one training step (also when the step's
+        update was skipped for a non-finite gradient norm: the schedule counts steps)."""
+        step_scheduler(self.scheduler)
 
     # ------------------------------------------------------------------ forward passes
     def _forward(self, packed: Packed) -> torch.Tensor:
@@ -487,11 +535,12 @@ class Policy:
         return WeightUpdate(kind="full", state_dict=sd, version=version)
 
     def save(self, directory: str | Path) -> None:
-        """Model (or adapter) and optimizer state, for resuming."""
+        """Model (or adapter), optimizer and schedule state, for resuming."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(d / "model")
         torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
 
     def load(self, directory: str | Path) -> None:
         from areal_agents.weights import apply_weight_update
@@ -501,6 +550,7 @@ class Policy:
         update = WeightUpdate(kind="lora", path=path) if self.is_lora else WeightUpdate(path=path)
         apply_weight_update(self.model, update)
         self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=False))
+        load_schedule(self.scheduler, self.schedule, d / "scheduler.pt")
 
     def export(
         self, directory: str | Path, tokenizer_dir: str | Path, *, merge_lora: bool = True

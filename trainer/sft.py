@@ -9,6 +9,12 @@ Choices made:
   system, user and tool tokens are context. Token i of assistant turn k is trained when the
   tokens rendered for turns < k followed by the generation prompt are a prefix of the whole
   conversation; a turn whose prefix does not hold is skipped and counted.
+* Recorded episodes (``sft.kind: episodes``: an ``episodes.jsonl`` as ``areal-agent eval
+  --out`` writes it) are trained on as recorded, no template involved: each row's training
+  samples (``samples``: ``input_ids`` with their ``loss_mask``), so exactly the tokens the
+  model sampled are trained, in the token ids it sampled them as. Rows that failed
+  (``result.success`` false) or ended in an error (``result.error`` set) are skipped and
+  counted; rows without a verdict are kept.
 * The loss of a batch is the mean over its trained tokens:
   ``L = -(1 / N) * sum_{i in assistant tokens} log p(x_i | x_<i)``, accumulated over packed
   micro-batches with the same weight ``1 / N``.
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +38,68 @@ from areal_agents.errors import ConfigError
 from .policy import Policy
 
 
+def _jsonl_rows(p: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of each non-empty line; a ConfigError names a bad one."""
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"{p}:{n}: not valid JSON: {exc}") from None
+
+
 def load_demos(path: str | Path) -> list[list[dict[str, Any]]]:
     """JSONL: each line a list of messages, or an object with a ``messages`` list."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"sft.demos: no file {p}; write one with `areal-agent demos`")
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as exc:
-            raise ConfigError(f"{p}:{n}: not valid JSON: {exc}") from None
+    for n, row in _jsonl_rows(p):
         messages = row.get("messages") if isinstance(row, dict) else row
         if not isinstance(messages, list) or not messages:
             raise ConfigError(f"{p}:{n}: expected a list of messages or {{'messages': [...]}}")
         out.append(messages)
     return out
+
+
+def load_episode_samples(
+    path: str | Path, vocab_size: int | None = None
+) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """The training samples of the episodes in ``path`` (``episodes.jsonl``) as
+    ``(token ids, loss mask)``, and how many rows were skipped (failed or errored; see the
+    module docstring). ``vocab_size``: token ids must be below it (the episodes were recorded
+    with this model's tokenizer)."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(
+            f"sft.demos: no file {p}; record episodes with `areal-agent eval --out DIR` "
+            "(DIR/episodes.jsonl)"
+        )
+    out: list[tuple[list[int], list[int]]] = []
+    skipped = 0
+    for n, row in _jsonl_rows(p):
+        samples = row.get("samples") if isinstance(row, dict) else None
+        if not isinstance(samples, list):
+            raise ConfigError(
+                f"{p}:{n}: expected a recorded episode with 'samples' (as `areal-agent eval "
+                "--out` writes); for chat messages set sft.kind=messages"
+            )
+        result = row.get("result") or {}
+        if result.get("success") is False or result.get("error"):
+            skipped += 1
+            continue
+        for s in samples:
+            ids, mask = s.get("input_ids"), s.get("loss_mask")
+            if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+                raise ConfigError(f"{p}:{n}: a sample needs input_ids and a loss_mask as long")
+            if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+                raise ConfigError(
+                    f"{p}:{n}: token ids outside the model's vocabulary ({vocab_size}); the "
+                    "episodes were recorded with another model: record them with this one"
+                )
+            out.append(([int(t) for t in ids], [int(bool(m)) for m in mask]))
+    return out, skipped
 
 
 def demo_tools(path: str | Path) -> list[dict[str, Any]] | None:
@@ -106,8 +156,12 @@ def run_sft(
     micro_batch_tokens: int = 4096,
     seed: int = 0,
     progress: bool = False,
+    tokenized: Sequence[tuple[list[int], list[int]]] = (),
+    skipped_episodes: int = 0,
 ) -> dict[str, float]:
-    """Train ``policy`` on ``demos``; returns the last batch's mean loss and counts.
+    """Train ``policy`` on ``demos`` (and on ``tokenized``: ready ``(token ids, loss mask)``
+    pairs, e.g. :func:`load_episode_samples`, with the count of episodes it skipped); returns
+    the last batch's mean loss and counts.
 
     ``progress`` shows a progress bar (batches, with the running loss) on stderr.
     """
@@ -117,9 +171,12 @@ def run_sft(
 
     samples = [sft_sample(tokenizer, d, tools) for d in demos]
     skipped = sum(s[2] for s in samples)
-    data = [(ids, mask) for ids, mask, _ in samples if sum(mask)]
+    pairs = [*((ids, mask) for ids, mask, _ in samples), *tokenized]
+    data = [(ids, mask) for ids, mask in pairs if sum(mask)]
     if not data:
-        raise ConfigError("sft: no demonstration has an assistant turn to train on")
+        raise ConfigError(
+            "sft: no demonstration has an assistant turn (no episode a sampled token) to train on"
+        )
     for group in policy.optimizer.param_groups:
         group["lr"] = lr
     rng = random.Random(seed)
@@ -163,5 +220,6 @@ def run_sft(
         "sft_nll": last,
         "sft_steps": float(steps),
         "sft_skipped_turns": float(skipped),
+        "sft_skipped_episodes": float(skipped_episodes),
         "sft_demos": float(len(data)),
     }

@@ -39,7 +39,7 @@ from .db import Database
 from .domain import Domain, get_domain
 from .generic import TRANSFER_TOOL
 from .reward import RewardInfo, dense_write_credit, evaluate
-from .user import GREETING, STOP, UserSimulator, stop_token
+from .user import GREETING, STOP, LLMUserSimulator, UserSimulator, stop_token
 
 T = TypeVar("T")
 Message = dict[str, Any]
@@ -83,7 +83,15 @@ class Tau2Env(AgentEnv):
         split: ``"train"``, ``"test"`` (the benchmark's ``split_tasks.json``), ``"base"`` or
             ``None`` (all tasks).
         user_simulator: Plays the customer: an :class:`~envs.tau2.user.LLMUserSimulator`
-            or a :class:`~envs.tau2.user.ScriptedUserSimulator`. Required before ``reset``.
+            or a :class:`~envs.tau2.user.ScriptedUserSimulator`. Required before ``reset``
+            unless ``user_base_url`` is given.
+        user_base_url: Instead of ``user_simulator`` (for settings that are plain data:
+            ``--env-kwargs``, ``env.kwargs``): an OpenAI-compatible base URL whose model
+            plays the customer (an ``LLMUserSimulator``). ``areal-agent eval`` fills it in
+            with the served model (not recorded) when neither is given.
+        user_model: The model name to request there; ``None``: the first one it lists.
+        user_api_key: Its API key (``None``: ``"EMPTY"``).
+        user_max_tokens: Cap on each customer message (``None``: the server's default).
         max_turns: Assistant messages after which the episode is truncated.
         dense_reward: Add per-turn shaping for writes that match gold write actions.
         dense_weight: Total shaping an episode can earn when ``dense_reward`` is on.
@@ -97,8 +105,26 @@ class Tau2Env(AgentEnv):
         max_turns: int = 50,
         dense_reward: bool = False,
         dense_weight: float = 0.1,
+        user_base_url: str | None = None,
+        user_model: str | None = None,
+        user_api_key: str | None = None,
+        user_max_tokens: int | None = None,
     ) -> None:
         super().__init__(max_turns=max_turns)
+        if user_base_url is not None and user_simulator is not None:
+            raise ConfigError(
+                "Tau2Env: give user_simulator or user_base_url, not both (user_base_url "
+                "builds an LLMUserSimulator)"
+            )
+        if user_base_url is not None:
+            if not isinstance(user_base_url, str) or not user_base_url.startswith("http"):
+                raise ConfigError(
+                    "Tau2Env: user_base_url must be an http(s) URL of an OpenAI-compatible "
+                    f"endpoint, e.g. 'http://127.0.0.1:8000/v1', got {user_base_url!r}"
+                )
+            user_simulator = LLMUserSimulator(
+                user_base_url, user_api_key, user_model, max_tokens=user_max_tokens
+            )
         if domain not in DOMAINS:
             raise ConfigError(f"Tau2Env: expected domain in {DOMAINS}, got {domain!r}")
         if split not in _SPLITS:
@@ -137,9 +163,11 @@ class Tau2Env(AgentEnv):
     def _start(self, options: Mapping[str, Any]) -> tuple[list[Message], dict[str, Any]]:
         if self.user_simulator is None:
             raise ConfigError(
-                "Tau2Env needs a user simulator: pass user_simulator=LLMUserSimulator("
-                "base_url=..., model=...) (any OpenAI-compatible endpoint) or "
-                "ScriptedUserSimulator([...]) to the constructor or to make()"
+                "Tau2Env needs a user simulator: give user_base_url='http://HOST:PORT/v1' "
+                "(any OpenAI-compatible endpoint plays the customer; env.kwargs.user_base_url "
+                "in a training config, --user-model URL for areal-agent eval, which by "
+                "default uses the served model), or pass user_simulator=LLMUserSimulator(...) "
+                "or ScriptedUserSimulator([...]) to the constructor or to make()"
             )
         domain = self.domain
         self.task = domain.data.task(self._pick_task(options))

@@ -128,7 +128,8 @@ class LLMUserSimulator(UserSimulator):
         base_url: The endpoint's base URL, such as ``"http://127.0.0.1:8000/v1"`` (may be
             ``None`` when ``client`` is given).
         api_key: The endpoint's API key (``None``: ``"EMPTY"``, for servers that ignore it).
-        model: The model name to request.
+        model: The model name to request; ``None``: the first model the endpoint lists
+            (``GET /models``), asked once.
         temperature: Sampling temperature (0 keeps the customer consistent).
         max_tokens: Cap on the reply's length, or ``None`` for the server's default.
         timeout_s: Per-request timeout in seconds.
@@ -144,7 +145,7 @@ class LLMUserSimulator(UserSimulator):
         self,
         base_url: str | None,
         api_key: str | None,
-        model: str,
+        model: str | None,
         *,
         temperature: float = 0.0,
         max_tokens: int | None = None,
@@ -191,12 +192,20 @@ class LLMUserSimulator(UserSimulator):
                 messages.append({"role": flipped, "content": str(message["content"])})
         return messages
 
+    async def _model_name(self, client: Any) -> str:
+        """``model``, else the first model ``client``'s endpoint lists (then kept)."""
+        if self.model is None:
+            listed = [m.id async for m in client.models.list()]
+            if not listed:
+                raise EnvError(f"user simulator endpoint {self.base_url} lists no model")
+            self.model = str(listed[0])
+        return self.model
+
     async def respond(self, task: Task, conversation: Sequence[Message]) -> str:
         """Ask the model for the customer's next message."""
         import openai
 
         request: dict[str, Any] = {
-            "model": self.model,
             "messages": self.messages_for(task, conversation),
             "temperature": self.temperature,
         }
@@ -206,11 +215,15 @@ class LLMUserSimulator(UserSimulator):
             request["extra_body"] = self.extra_body
         try:
             if self._client is not None:
+                request["model"] = await self._model_name(self._client)
                 completion = await self._client.chat.completions.create(**request)
             elif self._http_client is not None:  # the caller owns (and closes) it
-                completion = await self._new_client().chat.completions.create(**request)
+                client = self._new_client()
+                request["model"] = await self._model_name(client)
+                completion = await client.chat.completions.create(**request)
             else:  # a client per request: safe across event loops, closed right after
                 async with self._new_client() as client:
+                    request["model"] = await self._model_name(client)
                     completion = await client.chat.completions.create(**request)
         except openai.OpenAIError as exc:
             raise EnvError(f"user simulator request to {self.base_url} failed: {exc}") from exc
