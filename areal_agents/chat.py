@@ -80,10 +80,13 @@ Example (runs with any tokenizer directory that has ``tokenizer.json``)::
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
+import sys
+import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from datetime import datetime
@@ -476,13 +479,69 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_GIL_FREE_CHARS = 16_384
+"""Texts from this long are encoded without holding the GIL (see ``_encode_text``)."""
+
+
+class PieceCache:
+    """A least-recently-used map of text to token ids, bounded in (estimated) bytes.
+
+    Ids are kept as 32-bit arrays; an entry costs its text plus 4 bytes per id.
+    Texts whose entry would exceed ``max_entry_bytes`` are not kept (a long prompt that is
+    refused for its length must not evict everything, nor stay). Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int = 32 * 2**20, max_entry_bytes: int = 2 * 2**20) -> None:
+        self.max_bytes, self.max_entry_bytes = max_bytes, max_entry_bytes
+        self.bytes = 0
+        """The estimated size of what is kept now."""
+        self._entries: OrderedDict[str, array[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def cost(text: str, ids: Sequence[int]) -> int:
+        return sys.getsizeof(text) + 4 * len(ids) + 128
+
+    def get(self, text: str) -> array[int] | None:
+        with self._lock:
+            ids = self._entries.get(text)
+            if ids is not None:
+                self._entries.move_to_end(text)
+            return ids
+
+    def put(self, text: str, ids: Sequence[int]) -> array[int]:
+        """Keep ``text`` -> ``ids`` if it fits; returns the ids as an array."""
+        packed = array("I", ids)
+        size = self.cost(text, packed)
+        if size > min(self.max_entry_bytes, self.max_bytes):
+            return packed
+        with self._lock:
+            old = self._entries.pop(text, None)
+            if old is not None:
+                self.bytes -= self.cost(text, old)
+            self._entries[text] = packed
+            self.bytes += size
+            while self.bytes > self.max_bytes and self._entries:
+                gone, gone_ids = self._entries.popitem(last=False)
+                self.bytes -= self.cost(gone, gone_ids)
+        return packed
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
 
 
 class ChatTokenizer:
     """A Hugging Face tokenizer and its chat template, without transformers.
 
     Build one with :meth:`from_dir` (or :func:`load_tokenizer`). Rendering is pure and the
-    object is not mutated after construction, so one instance serves concurrent requests.
+    object is not mutated after construction, so one instance serves concurrent requests,
+    from several threads too: calls into the Rust tokenizer that encode are serialized by a
+    lock, and :attr:`piece_cache` is bounded in bytes.
 
     Attributes:
         chat_template: The template source, or a mapping of named templates (``default``,
@@ -525,7 +584,10 @@ class ChatTokenizer:
         self._bytes_cache: dict[int, bytes] = {}
         self._decoder_kind = _decoder_kind(tokenizer)
         self._splitter = _added_token_splitter(tokenizer)
-        self._piece_ids = functools.lru_cache(maxsize=8192)(self._encode_piece)
+        self._lock = threading.Lock()
+        self.piece_cache = PieceCache()
+        """Token ids of recently seen text between added tokens (bounded in bytes)."""
+        self._max_token_bytes: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -664,7 +726,7 @@ class ChatTokenizer:
         With the Qwen3 tokenizer, ``encode("<|im_start|>user")`` is ``[151644, 872]``.
         """
         if self._splitter is None:
-            return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+            return self._encode_text(text)
         # The tokenizer splits on added tokens before anything else, so the pieces between
         # them tokenize independently: cache them (system prompts, tool lists and history
         # repeat across the turns of an episode).
@@ -677,8 +739,44 @@ class ChatTokenizer:
                 ids.extend(self._piece_ids(piece))
         return ids
 
-    def _encode_piece(self, piece: str) -> tuple[int, ...]:
-        return tuple(self._tokenizer.encode(piece, add_special_tokens=False).ids)
+    def _piece_ids(self, piece: str) -> Sequence[int]:
+        cached = self.piece_cache.get(piece)
+        if cached is not None:
+            return cached
+        return self.piece_cache.put(piece, self._encode_text(piece))
+
+    def _encode_text(self, text: str) -> list[int]:
+        """The Rust tokenizer's ids of ``text``, one call at a time. Long texts go through
+        ``encode_batch``, which lets other Python threads (the proxy's event loop) run
+        meanwhile; ``encode`` holds the GIL throughout."""
+        if len(text) < _GIL_FREE_CHARS:  # encoding only reads the tokenizer: no lock needed
+            return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        with self._lock:
+            (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=False)
+            return list(encoding.ids)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))``, far cheaper than encoding (0 when none is
+        known): each piece between added tokens, normalized as the tokenizer does, needs at
+        least its UTF-8 length over the longest token's. Exact reasoning for byte-level BPE
+        vocabularies; other tokenizers get 0."""
+        if self._splitter is None or self._decoder_kind != "byte_level":
+            return 0
+        longest = self._max_token_bytes
+        if longest is None:
+            lengths = (len(self._bytes_of(i)) for i in range(self.vocab_size))
+            longest = self._max_token_bytes = max(1, *lengths)
+        normalizer = self._tokenizer.normalizer
+        pattern, _ = self._splitter
+        count = 0
+        for k, piece in enumerate(pattern.split(text)):
+            if k % 2:
+                count += 1
+            elif piece:
+                if normalizer is not None:
+                    piece = normalizer.normalize_str(piece)
+                count += -(-len(piece.encode("utf-8", "surrogatepass")) // longest)
+        return count
 
     def encode_chat(
         self,

@@ -32,6 +32,13 @@ _ADAPTER_HELP = (
 )
 
 
+_STORE_HELP = (
+    "record every session, completion, reward and end in this store: a file path (SQLite) "
+    "or a postgresql:// URL; `serve` restarted on the same store restores its open "
+    "sessions (default: none, sessions live in memory)"
+)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="areal-agent",
@@ -59,6 +66,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
     serve.add_argument("--max-batch-size", type=int, default=64)
+    serve.add_argument("--store", default=None, help=_STORE_HELP)
+    serve.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=None,
+        help="end sessions idle this long as 'expired' (kept in the store; default: never)",
+    )
     serve.add_argument(
         "--smoke",
         action="store_true",
@@ -95,6 +109,14 @@ def _build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ev.add_argument("--device", default=None)
     ev.add_argument("--out", default=None, help="write episodes.jsonl and report.json here")
+    ev.add_argument("--store", default=None, help=_STORE_HELP)
+    ev.add_argument(
+        "--user-model",
+        default=None,
+        metavar="URL",
+        help="envs with a simulated user (tau2): an OpenAI-compatible base URL whose model "
+        "plays the user (default: the served model, through a path that is not recorded)",
+    )
     _add_ray_args(ev, workers=True)
     add_backend_args(ev)
     ev.set_defaults(func=_eval, max_batch_size=64, admin_key=None)
@@ -213,7 +235,7 @@ def _load_proxy(args: argparse.Namespace) -> Any:
         from .backend import load_server_engine
 
         engine, tokenizer = load_server_engine(args)
-        return Proxy(engine, tokenizer, admin_key=args.admin_key)
+        return Proxy(engine, tokenizer, admin_key=args.admin_key, **_store_args(args))
     if args.engine_url:
         raise ConfigError("--engine-url needs --backend vllm or --backend sglang")
     path = resolve_model(args.model)
@@ -232,7 +254,23 @@ def _load_proxy(args: argparse.Namespace) -> Any:
             max_batch_size=args.max_batch_size,
         )
         engine._decode = tokenizer.decode
-    return Proxy(engine, tokenizer, admin_key=args.admin_key)
+    return Proxy(engine, tokenizer, admin_key=args.admin_key, **_store_args(args))
+
+
+def _store_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The proxy's ``store`` (``--store``) and ``session_idle_s`` (``--session-idle-s``)."""
+    out: dict[str, Any] = {}
+    idle = getattr(args, "session_idle_s", None)
+    if idle is not None:
+        if not idle > 0:
+            raise ConfigError(f"--session-idle-s must be > 0, got {idle}")
+        out["session_idle_s"] = idle
+    if getattr(args, "store", None):
+        from .store import EpisodeStore
+
+        out["store"] = EpisodeStore(args.store)
+        print(f"recording into {out['store'].url.split('@')[-1]}", file=sys.stderr)
+    return out
 
 
 def _ray_engine(args: argparse.Namespace, path: str) -> Any:
@@ -318,13 +356,29 @@ def _eval(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from envs.registry import make
+    from envs.registry import make, probe
 
     from .evaluate import evaluate, write_outputs
 
     use_ray = _uses_ray(args)
     env_kwargs = _json_object(args.env_kwargs, "--env-kwargs")
-    make(args.env, **env_kwargs).close()  # unknown ids and bad kwargs fail before the model loads
+    simulated_user = _takes_user(args.env) and not _has_user(env_kwargs)
+    if args.user_model:
+        if not _takes_user(args.env):
+            raise ConfigError(f"--user-model: {args.env} has no simulated user; drop it")
+        if not simulated_user:
+            raise ConfigError("--user-model and a user in --env-kwargs: give one of them")
+        _check_endpoint(args.user_model, "--user-model")
+        env_kwargs["user_base_url"] = args.user_model
+    elif simulated_user and use_ray:
+        raise ConfigError(
+            f"{args.env} needs a simulated user: with --ray, give --user-model URL (an "
+            "OpenAI-compatible endpoint)"
+        )
+    try:  # unknown ids and bad kwargs fail before the model loads
+        make(args.env, **env_kwargs).close()
+    except TypeError as exc:
+        raise ConfigError(f"--env-kwargs: {args.env} does not take them: {exc}") from None
     agent = _load_agent(args.agent, args.agent_kwargs, args.max_turns) if args.agent else None
     if not 0 < args.top_p <= 1 or args.top_k < 0:
         raise ConfigError("--top-p must be in (0, 1] and --top-k >= 0 (0 keeps every token)")
@@ -334,6 +388,14 @@ def _eval(args: argparse.Namespace) -> int:
     if args.top_k:
         sampling["top_k"] = args.top_k
     with _ray_session(args), _eval_runner(args, sampling) as (runner, close):
+        if simulated_user and not args.user_model:  # the served model plays the user
+            env_kwargs.update(_served_user(runner.proxy, runner.base_url, args.max_tokens))
+        make_env = functools.partial(make, args.env, **env_kwargs)
+        try:  # a config error fails here, once, not as an env_error per episode
+            probe(make_env, seed=args.seed, what=f"--env {args.env}")
+        except BaseException:
+            asyncio.run(close())
+            raise
         bar = tqdm(
             total=args.episodes // args.k * args.k,
             desc=f"eval {args.env}",
@@ -351,7 +413,7 @@ def _eval(args: argparse.Namespace) -> int:
             try:
                 return await evaluate(
                     runner,
-                    functools.partial(make, args.env, **env_kwargs),
+                    make_env,
                     env_id=args.env,
                     episodes=args.episodes,
                     k=args.k,
@@ -373,6 +435,68 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _takes_user(env_id: str) -> bool:
+    """Whether ``env_id``'s constructor takes ``user_base_url`` (a simulated user, tau2)."""
+    import inspect
+
+    import gymnasium
+
+    from envs.registry import make
+
+    try:
+        entry = gymnasium.spec(env_id).entry_point
+    except gymnasium.error.Error:
+        make(env_id)  # raises EnvNotFound with the nearest ids
+        return False
+    if isinstance(entry, str):
+        import importlib
+
+        module, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(module), name)
+    if not callable(entry):
+        return False
+    try:
+        return "user_base_url" in inspect.signature(entry).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _has_user(env_kwargs: dict[str, Any]) -> bool:
+    return env_kwargs.get("user_base_url") is not None or "user_simulator" in env_kwargs
+
+
+def _check_endpoint(base_url: str, flag: str) -> None:
+    """``GET {base_url}/models`` answers, else a ConfigError naming ``flag`` and the fix."""
+    import httpx
+
+    url = base_url.rstrip("/") + "/models"
+    try:
+        httpx.get(url, timeout=10.0).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise ConfigError(
+            f"{flag} {base_url}: no OpenAI-compatible endpoint answers GET {url} ({exc}); "
+            f"start one there (e.g. areal-agent serve), fix the URL, or drop {flag} to let "
+            "the served model play the user"
+        ) from None
+
+
+def _served_user(proxy: Any, base_url: str | None, max_tokens: int) -> dict[str, Any]:
+    """Env kwargs that make the served model play the simulated user, through the proxy's
+    admin key: its calls are answered by the same engine but recorded in no episode."""
+    import secrets
+
+    if base_url is None:
+        raise ConfigError("the served model can play the user only behind a proxy server")
+    if proxy.admin_key is None:
+        proxy.admin_key = secrets.token_urlsafe(24)
+    return {
+        "user_base_url": base_url,
+        "user_api_key": proxy.admin_key,
+        "user_model": proxy.model_name,
+        "user_max_tokens": max_tokens,
+    }
+
+
 @contextlib.contextmanager
 def _eval_runner(args: argparse.Namespace, sampling: dict[str, Any]) -> Iterator[Any]:
     """(runner, async close) for ``eval``: a local Runner behind a proxy server, or a RayRunner
@@ -387,6 +511,10 @@ def _eval_runner(args: argparse.Namespace, sampling: dict[str, Any]) -> Iterator
         from .model import resolve_model
         from .ray_runner import RayRunner
 
+        if args.store:
+            raise ConfigError(
+                "--store: with --ray every worker holds a proxy of its own; drop one of them"
+            )
         path = resolve_model(args.model)
         engine = _ray_engine(args, path)
         runner = RayRunner(engine, path, workers=args.ray_workers, **settings)
@@ -401,8 +529,14 @@ def _eval_runner(args: argparse.Namespace, sampling: dict[str, Any]) -> Iterator
     from .server import ProxyServer
 
     proxy = _load_proxy(args)
+
+    async def close_local() -> None:
+        await proxy.engine.close()
+        if proxy.store is not None:
+            proxy.store.close()
+
     with ProxyServer.start(proxy) as server:
-        yield Runner(proxy, base_url=server.base_url, **settings), proxy.engine.close
+        yield Runner(proxy, base_url=server.base_url, **settings), close_local
 
 
 @contextlib.contextmanager

@@ -9,17 +9,19 @@ episode, are recorded on it, counted, and never crash a batch::
     │   ├── EnvNotFound           an unknown environment id ("Did you mean ...?")
     │   ├── ModelNotFound         a model directory / default model cannot be found
     │   └── SessionError          an unknown, closed or foreign session
-    └── RolloutError              something failed inside an episode: recorded, not raised
-        ├── ToolError             a tool raised or timed out
-        ├── ToolCallParseError    the model emitted a tool call that cannot be parsed
-        ├── ModelBehaviorError    the model did something else that cannot be used
-        ├── BackendError          the inference engine or server failed
-        ├── ContextOverflow       prompt + max tokens exceed the model's context
-        ├── EnvError              the environment (or its user simulator) failed
-        ├── EpisodeTimeout        the episode ran past its time limit
-        ├── AgentError            the user's agent raised (in this process or a worker's)
-        └── AgentLost             an agent in another process stopped answering (no
-                                  heartbeat, no result in time, or the worker hub closed)
+    ├── RolloutError              something failed inside an episode: recorded, not raised
+    │   ├── ToolError             a tool raised or timed out
+    │   ├── ToolCallParseError    the model emitted a tool call that cannot be parsed
+    │   ├── ModelBehaviorError    the model did something else that cannot be used
+    │   ├── BackendError          the inference engine or server failed
+    │   ├── ContextOverflow       prompt + max tokens exceed the model's context
+    │   ├── EnvError              the environment (or its user simulator) failed
+    │   ├── EpisodeTimeout        the episode ran past its time limit
+    │   ├── AgentError            the user's agent raised (in this process or a worker's)
+    │   └── AgentLost             an agent in another process stopped answering (no
+    │                             heartbeat, no result in time, or the worker hub closed)
+    └── ApiError                  the proxy's answer to a bad call, in the OpenAI error
+                                  format with its HTTP status (``areal_agents.proxy``)
 
 Every ``RolloutError`` has a short machine-readable ``kind`` used as the counted reason.
 """

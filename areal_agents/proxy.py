@@ -17,11 +17,39 @@ HTTP API::
     GET  /sessions/{id}                 summary;            session key or admin key
     POST /sessions/{id}/rewards         {value, completion_id | tool_call_id | final}
     POST /sessions/{id}/end             {final_reward?, reason?, error?}
-    GET  /sessions/{id}/trajectory?gamma=G   the episode with returns and training samples
-    DELETE /sessions/{id}               forget the session
+    GET  /sessions/{id}/trajectory?gamma=G[&prompts=delta][&offset=O&limit=L]
+                                        the episode with returns (and, whole and full,
+                                        its training samples); ``prompts=delta`` is
+                                        O(tokens) for long episodes (Episode.to_dict)
+    DELETE /sessions/{id}               forget the session (a store keeps it, marked deleted)
 
-A wrong or missing key is a 401, another session's key a 403, an unknown session a 404, a
-malformed body a 400 whose message names the field; nothing a client sends produces a 500.
+A missing key, or a key that reaches nothing, is the same 401 whether or not the session it
+names exists; a session's key asking for another session (existing or not) is a 403; the
+admin and privileged keys get a 404 for an unknown session; a malformed body is a 400 whose
+message names the field; nothing a client sends produces a 500. Before anything is parsed or
+stored, every JSON body is checked against :class:`RequestLimits`: over the size limit a
+413; nested deeper than 64 levels, a lone UTF-16 surrogate in any string or key, ``NaN`` or
+``Infinity``, or an integer outside 64 bits, a 400 naming the field. FastAPI's own
+validation errors (a query parameter of the wrong type) are 400s with the same error body,
+and ``/openapi.json`` documents each route's body and error answers.
+
+Durability (``store``, an :class:`~areal_agents.store.EpisodeStore`): every session,
+completion, reward and end is written through to the store, and each request waits until its
+records are committed before it is answered (for a stream, before ``[DONE]``), so nothing a
+client was told survives only in memory. With ``restore=True`` a session this process does
+not hold (a restart, or one evicted after it ended) is loaded from the store on first use of
+its key or id: its key works, its trajectory is complete, rewards can still be posted.
+``session_idle_s`` ends sessions idle that long as ``expired`` (they stay in the store).
+
+Calls that do not finish normally:
+
+* A client that disconnects before its answer is ready cancels the call: the engine drops the
+  generation and nothing is recorded (``abandoned_calls``). A stream's events go out only
+  once it is generated; it is recorded just before ``[DONE]``, so a stream dropped while its
+  events are written is not recorded, and one the server finished writing is (as far as
+  the server can tell, it was delivered).
+* A call still in flight when its session ends (``POST /end``) is answered 409
+  (``code: "session_ended"``) and not recorded: what ended an episode is never changed after.
 
 Key permissions: with ``self_rewarding=True`` (the default, ``areal-agent serve``) a session's
 own key may also post rewards to, end and delete its session. With ``self_rewarding=False``
@@ -42,27 +70,50 @@ session when it opens and when it ends (``/end``, or ``DELETE`` before ``/end``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hmac
 import json
+import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .chat import ChatTokenizer
 from .engine import Engine, GenerateResult, SamplingParams, accepts_route_key
 from .errors import ArealError, BackendError, ContextOverflow, SessionError
-from .schemas import ChatCompletionRequest, EndIn, RewardIn, SessionCreate
+from .schemas import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_JSON_DEPTH,
+    ChatCompletionRequest,
+    EndIn,
+    ErrorBody,
+    RewardIn,
+    SessionCreate,
+    json_text_depth,
+)
 from .session import Session, SessionStore
 from .toolcall import parse_tool_calls
 from .trajectory import Completion
 
+if TYPE_CHECKING:
+    from .store import EpisodeStore
+
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 AGENT_HEADER = "X-Areal-Agent"
@@ -101,8 +152,9 @@ class SessionHooks(Protocol):
     def ended(self, session: Session) -> None: ...
 
 
-class ApiError(Exception):
-    """An error answered to the client in the OpenAI error format."""
+class ApiError(ArealError):
+    """An error answered to the client in the OpenAI error format (``status`` is its HTTP
+    status; raised by :meth:`Proxy.complete` to in-process callers too)."""
 
     def __init__(
         self,
@@ -124,8 +176,8 @@ class ApiError(Exception):
         )
         self.headers = dict(headers or {})
 
-    def response(self) -> JSONResponse:
-        body = {
+    def body(self) -> dict[str, Any]:
+        return {
             "error": {
                 "message": self.message,
                 "type": self.kind,
@@ -133,7 +185,19 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
-        return JSONResponse(body, status_code=self.status, headers=self.headers or None)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+
+
+@dataclass
+class Reply:
+    """A generated answer (``body``, the OpenAI response) and its completions, recorded into
+    ``session`` by :meth:`Proxy.record` once the answer is on its way."""
+
+    session: Session | None
+    body: dict[str, Any]
+    pending: list[Completion] = field(default_factory=list)
 
 
 class Proxy:
@@ -160,7 +224,12 @@ class Proxy:
         privileged_keys: Iterable[str] = (),
         session_hooks: SessionHooks | None = None,
         open_sessions: bool = True,
+        store: EpisodeStore | None = None,
+        restore: bool = True,
+        session_idle_s: float | None = None,
     ) -> None:
+        if session_idle_s is not None and not session_idle_s > 0:
+            raise ValueError(f"session_idle_s must be > 0 or None, got {session_idle_s}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.admin_key = admin_key
@@ -177,7 +246,13 @@ class Proxy:
         self.default_max_tokens = default_max_tokens
         context = getattr(engine, "max_context", None) or tokenizer.model_max_length or 32768
         self.max_context = int(context)
-        self.sessions = SessionStore()
+        self.store = store
+        """The durable episode store (None: sessions live in this process only)."""
+        self.sessions = SessionStore(store, restore=restore)
+        self.session_idle_s = session_idle_s
+        """Open sessions idle (no call, reward or read) this long are ended as ``expired``
+        (kept in the store); None: never."""
+        self._swept = time.monotonic()
         self._routes = accepts_route_key(engine)
         self.counters: Counter[str] = Counter()
         self.app = self._build_app()
@@ -196,17 +271,49 @@ class Proxy:
             self.counters["internal_error"] += 1
             return ApiError(500, f"internal error: {exc!r}", kind="server_error").response()
 
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics, methods=["GET"])
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
-        app.add_api_route("/sessions", self.create_session, methods=["POST"])
-        app.add_api_route("/sessions/{session_id}", self.get_session, methods=["GET"])
-        app.add_api_route("/sessions/{session_id}", self.delete_session, methods=["DELETE"])
-        app.add_api_route("/sessions/{session_id}/rewards", self.add_reward, methods=["POST"])
-        app.add_api_route("/sessions/{session_id}/end", self.end_session, methods=["POST"])
-        app.add_api_route("/sessions/{session_id}/trajectory", self.trajectory, methods=["GET"])
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+            self.counters["http_400"] += 1
+            return _validation_error(exc.errors()).response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+            self.counters[f"http_{exc.status_code}"] += 1
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            headers = dict(exc.headers or {})
+            error = ApiError(exc.status_code, str(exc.detail), kind=kind, headers=headers)
+            return error.response()
+
+        self.limits: RequestLimits = getattr(self, "limits", None) or RequestLimits()
+        """What a request body may hold (size, nesting); see :class:`RequestLimits`."""
+        app.state.request_limits = self.limits
+        app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]
+        model_call = error_responses(400, 401, 409, 413, 502, 503)
+        manage = error_responses(400, 401, 403, 404, 409, 413, 503)
+        read = error_responses(400, 401, 403, 404, 503)
+        summary = error_responses(401, 403, 404, 503)
+
+        def route(path: str, endpoint: Callable[..., Any], method: str, **kw: Any) -> None:
+            app.add_api_route(path, endpoint, methods=[method], **kw)
+
+        route("/health", self.health, "GET")
+        route("/metrics", self.metrics, "GET")
+        route("/v1/models", self.models, "GET")
+        body = json_body(app, ChatCompletionRequest)
+        route("/v1/chat/completions", self.chat_completions, "POST", responses=model_call, **body)
+        body = json_body(app, "ResponsesRequest")
+        route("/v1/responses", self.responses, "POST", responses=model_call | read, **body)
+        body = json_body(app, SessionCreate, required=False)
+        opened = error_responses(400, 401, 409, 413, 429, 503)
+        route("/sessions", self.create_session, "POST", responses=opened, **body)
+        route("/sessions/{session_id}", self.get_session, "GET", responses=summary)
+        deleted = error_responses(401, 403, 404, 503)
+        route("/sessions/{session_id}", self.delete_session, "DELETE", responses=deleted)
+        body = json_body(app, RewardIn)
+        route("/sessions/{session_id}/rewards", self.add_reward, "POST", responses=manage, **body)
+        body = json_body(app, EndIn, required=False)
+        route("/sessions/{session_id}/end", self.end_session, "POST", responses=manage, **body)
+        route("/sessions/{session_id}/trajectory", self.trajectory, "GET", responses=read)
         return app
 
     # ------------------------------------------------------------------ auth
@@ -223,7 +330,7 @@ class Proxy:
             self.admin_key and key and hmac.compare_digest(key.encode(), self.admin_key.encode())
         )
 
-    def _model_caller(self, request: Request) -> Session | None:
+    async def _model_caller(self, request: Request) -> Session | None:
         key = self._bearer(request)
         if key is None:
             raise ApiError(
@@ -234,21 +341,89 @@ class Proxy:
             )
         if self._is_admin(key):
             return None
-        session = self.sessions.by_key(key)
+        session = await self._session_of_key(key)
         if session is None:
-            raise ApiError(
-                401,
-                "invalid API key: use the api_key returned by POST /sessions",
-                kind="authentication_error",
-            )
+            raise self._bad_key()
         return session
+
+    def _bad_key(self) -> ApiError:
+        """The one answer to every key that reaches nothing (whatever session it names)."""
+        hint = "use the api_key returned by POST /sessions"
+        if self.store is None:
+            hint += " (this proxy keeps sessions in memory: a restart forgets them)"
+        else:
+            hint += " (the session may have been deleted)"
+        return ApiError(401, f"invalid API key: {hint}", kind="authentication_error")
+
+    async def _session_of_key(self, key: str) -> Session | None:
+        """The session whose key is ``key``: held in memory, else restored from the store."""
+        session = self.sessions.by_key(key)
+        if session is None and self.sessions.restore:
+            await self._sync_store()
+            fetched = await asyncio.to_thread(self.sessions.fetch_key, key)
+            session = None if fetched is None else self.sessions.adopt(fetched)
+        if session is not None:
+            self._sweep()
+        return session
+
+    async def _session_by_id(self, session_id: str) -> Session:
+        try:
+            return self.sessions.get(session_id)
+        except SessionError as exc:
+            if self.sessions.restore:
+                await self._sync_store()
+                fetched = await asyncio.to_thread(self.sessions.fetch, session_id)
+                if fetched is not None:
+                    return self.sessions.adopt(fetched)
+            raise ApiError(404, str(exc), kind="not_found_error") from None
+
+    async def _sync_store(self) -> None:
+        """Wait for the store's queued writes (so that a read sees them); a 503 if it fails."""
+        if self.store is None:
+            return
+        try:
+            await self.store.flush()
+        except Exception as exc:
+            self.counters["store_errors"] += 1
+            raise ApiError(
+                503,
+                f"the episode store failed to commit: {exc}; retry, and check the store "
+                f"({self.store!r})",
+                kind="server_error",
+                code="store_error",
+            ) from None
+
+    def _sweep(self) -> None:
+        """End sessions idle past ``session_idle_s`` (checked at most every 1/10 of it)."""
+        idle = self.session_idle_s
+        now = time.monotonic()
+        if idle is None or now - self._swept < idle / 10:
+            return
+        self._swept = now
+        for session in self.sessions.expire(idle):
+            self.counters["sessions_expired"] += 1
+            if self.session_hooks is not None:
+                self.session_hooks.ended(session)
+        if self.store is not None and self.sessions.restore:
+            store = self.store
+
+            def expire_stored() -> None:  # sessions of earlier processes, not held here
+                self.counters["sessions_expired"] += len(store.expire(idle))
+
+            asyncio.get_running_loop().run_in_executor(None, expire_stored)
 
     def _is_privileged(self, key: str) -> bool:
         given = key.encode()
         return any(hmac.compare_digest(given, k.encode()) for k in self.privileged_keys)
 
-    def _session_for(self, request: Request, session_id: str, *, manage: bool = False) -> Session:
-        """The session ``request`` may reach; ``manage``: rewards, end, delete."""
+    async def _session_for(
+        self, request: Request, session_id: str, *, manage: bool = False
+    ) -> Session:
+        """The session ``request`` may reach; ``manage``: rewards, end, delete.
+
+        A key that reaches nothing is the same 401 whether or not ``session_id`` exists (a
+        key tells nothing about other sessions); a 404 only for the admin and privileged
+        keys, and a 403 for the key of another session."""
         key = self._bearer(request)
         if key is None:
             raise ApiError(
@@ -256,26 +431,26 @@ class Proxy:
                 "missing API key: send the session's key or the admin key",
                 kind="authentication_error",
             )
-        try:
-            session = self.sessions.get(session_id)
-        except SessionError as exc:
-            raise ApiError(404, str(exc), kind="not_found_error") from None
         if self._is_admin(key) or self._is_privileged(key):
-            return session
-        if hmac.compare_digest(key.encode(), session.api_key.encode()):
-            if manage and not self.self_rewarding:
-                raise ApiError(
-                    403,
-                    "rewards come from the environment in this run: a session key may call "
-                    "the model and read its session, but posting rewards, ending or deleting "
-                    "a session needs the admin key (or start the proxy with "
-                    "self_rewarding=True)",
-                    kind="permission_error",
-                )
-            return session
-        if self.sessions.by_key(key) is not None:
+            target = await self._session_by_id(session_id)
+            self._sweep()
+            return target
+        session = await self._session_of_key(key)
+        if session is None:
+            raise self._bad_key()
+        if session.id != session_id:
             raise ApiError(403, "this key belongs to another session", kind="permission_error")
-        raise ApiError(401, "invalid API key", kind="authentication_error")
+        if manage and not self.self_rewarding:
+            raise ApiError(
+                403,
+                "rewards come from the environment in this run: a session key may call "
+                "the model and read its session, but posting rewards, ending or deleting "
+                "a session needs the admin key (or start the proxy with "
+                "self_rewarding=True)",
+                kind="permission_error",
+            )
+        self.sessions.touch(session)
+        return session
 
     # ------------------------------------------------------------------ small endpoints
     async def health(self) -> dict[str, Any]:
@@ -313,11 +488,12 @@ class Proxy:
         )
         if hooks is not None:
             hooks.opened(session)
+        await self._sync_store()
         base = self.public_url or str(request.base_url).rstrip("/")
         return {"id": session.id, "api_key": session.api_key, "base_url": f"{base}/v1"}
 
     async def get_session(self, session_id: str, request: Request) -> dict[str, Any]:
-        ep = self._session_for(request, session_id).episode
+        ep = (await self._session_for(request, session_id)).episode
         return {
             "id": ep.session_id,
             "group_id": ep.group_id,
@@ -329,15 +505,16 @@ class Proxy:
         }
 
     async def delete_session(self, session_id: str, request: Request) -> dict[str, Any]:
-        session = self._session_for(request, session_id, manage=True)
+        session = await self._session_for(request, session_id, manage=True)
         if self.session_hooks is not None and not session.closed:
             self.sessions.end(session, reason="deleted")
             self.session_hooks.ended(session)
         self.sessions.remove(session_id)
+        await self._sync_store()
         return {"id": session_id, "deleted": True}
 
     async def add_reward(self, session_id: str, request: Request) -> dict[str, Any]:
-        session = self._session_for(request, session_id, manage=True)
+        session = await self._session_for(request, session_id, manage=True)
         self._check_open_for_hooks(session, "rewards")
         body = await _parse(request, RewardIn)
         try:
@@ -350,6 +527,7 @@ class Proxy:
             )
         except ArealError as exc:
             raise ApiError(400 if not isinstance(exc, SessionError) else 404, str(exc)) from None
+        await self._sync_store()
         return {"session_id": session.id, "completion_id": target, "final": body.final}
 
     def _check_open_for_hooks(self, session: Session, what: str) -> None:
@@ -363,7 +541,7 @@ class Proxy:
             )
 
     async def end_session(self, session_id: str, request: Request) -> dict[str, Any]:
-        session = self._session_for(request, session_id, manage=True)
+        session = await self._session_for(request, session_id, manage=True)
         self._check_open_for_hooks(session, "an end")
         body = await _parse(request, EndIn, allow_empty=True)
         was_open = not session.closed
@@ -372,32 +550,80 @@ class Proxy:
         )
         if self.session_hooks is not None and was_open:
             self.session_hooks.ended(session)
+        await self._sync_store()
         return {"id": session.id, "ended": True, "end_reason": session.episode.end_reason}
 
     async def trajectory(
-        self, session_id: str, request: Request, gamma: float = 1.0
-    ) -> dict[str, Any]:
-        session = self._session_for(request, session_id)
+        self,
+        session_id: str,
+        request: Request,
+        gamma: float = 1.0,
+        prompts: str = "full",
+        offset: int = 0,
+        limit: int | None = None,
+    ) -> Response:
+        """The episode (``Episode.to_dict``): ``prompts=delta`` for O(tokens) reads of long
+        episodes, ``offset``/``limit`` to page through its completions. Serialized off the
+        event loop, from a snapshot (calls recorded meanwhile are not in it)."""
+        session = await self._session_for(request, session_id)
         if not 0.0 <= gamma <= 1.0:
             raise ApiError(400, f"gamma must be in [0, 1], got {gamma}", param="gamma")
-        return session.episode.to_dict(gamma)
+        if prompts not in ("full", "delta"):
+            raise ApiError(
+                400, f"prompts must be 'full' or 'delta', got {prompts!r}", param="prompts"
+            )
+        if offset < 0 or (limit is not None and limit < 1):
+            raise ApiError(400, "offset must be >= 0 and limit >= 1", param="offset")
+        snapshot = session.episode.snapshot()
+
+        def encode() -> bytes:
+            data = snapshot.to_dict(gamma, prompts=prompts, offset=offset, limit=limit)
+            try:
+                return json.dumps(data, ensure_ascii=False).encode()
+            except UnicodeEncodeError:  # a lone surrogate: escape it rather than fail
+                return json.dumps(data).encode()
+
+        return Response(await asyncio.to_thread(encode), media_type="application/json")
 
     # ------------------------------------------------------------------ chat completions
     async def chat_completions(self, request: Request) -> Response:
-        session = self._model_caller(request)
+        session = await self._model_caller(request)
         req = await _parse(request, ChatCompletionRequest)
-        body = await self.complete(session, req, agent=agent_name(request))
+        reply = await self.until_disconnect(
+            request, self.reply(session, req, agent=agent_name(request))
+        )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(body, include_usage), media_type="text/event-stream")
-        return JSONResponse(body)
+            events = _sse(
+                reply.body, include_usage, before_done=lambda: self._commit_before_done(reply)
+            )
+            return StreamingResponse(events, media_type="text/event-stream")
+        await self.commit(reply)
+        return JSONResponse(reply.body)
 
     async def responses(self, request: Request) -> Response:
         from .responses import ResponsesRequest, respond  # responses.py builds on this module
 
-        session = self._model_caller(request)
+        session = await self._model_caller(request)
         req = await _parse(request, ResponsesRequest)
-        return await respond(self, session, req, agent=agent_name(request))
+        return await respond(self, session, req, agent=agent_name(request), request=request)
+
+    async def until_disconnect(self, request: Request, work: Awaitable[T]) -> T:
+        """Await ``work`` unless the client disconnects first: then it is cancelled (the
+        engine drops its generation) and nothing is recorded (``abandoned_calls``)."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        self.counters["abandoned_calls"] += 1
+        raise ApiError(499, "the client closed the connection", code="client_closed")
 
     async def complete(
         self,
@@ -409,9 +635,22 @@ class Proxy:
         """One chat completion, recorded into ``session`` (None: not recorded); ``agent``
         names the agent that made the call (:attr:`Completion.agent`).
 
-        The HTTP endpoint and in-process callers (the episode runner) share this path.
-        Raises :class:`ApiError` for anything the caller must fix.
+        In-process callers (the episode runner) use this; the HTTP endpoints use
+        :meth:`reply` and :meth:`commit`, so that a call is recorded only once its answer
+        is on its way. Raises :class:`ApiError` for anything the caller must fix.
         """
+        reply = await self.reply(session, request, agent=agent)
+        self.record(reply)
+        return reply.body
+
+    async def reply(
+        self,
+        session: Session | None,
+        request: ChatCompletionRequest | dict[str, Any],
+        *,
+        agent: str | None = None,
+    ) -> Reply:
+        """Generate the answer to one chat completion request, not yet recorded."""
         if session is not None and session.closed:
             raise ApiError(
                 409, f"session {session.id} has ended; open a new session", kind="conflict_error"
@@ -419,14 +658,14 @@ class Proxy:
         req = request if isinstance(request, ChatCompletionRequest) else _validate(request)
         messages = [_message_dict(m) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        prompt_ids = self._encode(messages, tools if req.tool_choice != "none" else None, req)
+        prompt_ids = await self._encode(messages, tools if req.tool_choice != "none" else None, req)
         params = self._sampling(req, len(prompt_ids), session)
         self.counters["chat_calls"] += 1
         started = time.time()
         results = await self._generate(session, prompt_ids, params, req.n)
         base_id = "chatcmpl-" + uuid.uuid4().hex[:24]
         tool_names = [t["function"]["name"] for t in tools or []]
-        choices = []
+        choices, pending = [], []
         for i, result in enumerate(results):
             cid = base_id if req.n == 1 else f"{base_id}-{i}"
             choice, completion = self._choice(
@@ -434,15 +673,13 @@ class Proxy:
             )
             choices.append(choice)
             completion.agent = agent
-            if session is not None and not session.closed:
-                self.sessions.record(session, completion)
-                self.counters["recorded_completions"] += 1
+            pending.append(completion)
         usage = {
             "prompt_tokens": len(prompt_ids),
             "completion_tokens": sum(len(r.output_ids) for r in results),
         }
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return {
+        body = {
             "id": base_id,
             "object": "chat.completion",
             "created": int(started),
@@ -450,31 +687,84 @@ class Proxy:
             "choices": choices,
             "usage": usage,
         }
+        return Reply(session, body, pending)
 
-    def _encode(
+    def record(self, reply: Reply) -> None:
+        """Record a reply's completions into its session.
+
+        A session that ended while the call was in flight (``POST /end`` came first) gets a
+        409 and the call is not recorded: what ended an episode is never changed after."""
+        session = reply.session
+        if session is None or not reply.pending:
+            return
+        if session.closed:
+            self.counters["ended_in_flight"] += 1
+            raise ApiError(
+                409,
+                f"session {session.id} ended while this call was in flight: its reply was not "
+                "recorded (end a session only after its last call returned)",
+                kind="conflict_error",
+                code="session_ended",
+            )
+        for completion in reply.pending:
+            self.sessions.record(session, completion)
+            self.counters["recorded_completions"] += 1
+        reply.pending = []
+
+    async def commit(self, reply: Reply) -> None:
+        """:meth:`record` and wait until the store has committed it."""
+        self.record(reply)
+        if reply.session is not None:
+            await self._sync_store()
+
+    async def _commit_before_done(self, reply: Reply) -> dict[str, Any] | None:
+        """For a stream: commit just before ``[DONE]``; an error event if that fails."""
+        try:
+            await self.commit(reply)
+        except ApiError as exc:
+            return exc.body()
+        return None
+
+    async def _encode(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         req: ChatCompletionRequest,
     ) -> list[int]:
+        """The prompt's token ids: the template and the tokenizer run in a worker thread (a
+        long prompt does not stall the event loop); a prompt that surely cannot fit the
+        context is refused before it is tokenized (:meth:`ChatTokenizer.min_tokens`)."""
+        tokenizer, context = self.tokenizer, self.max_context
+        kwargs = req.chat_template_kwargs or {}
+
+        def encode() -> list[int]:
+            text = tokenizer.render(messages, tools=tools, **kwargs)
+            if len(text) >= context:  # could be too long: a cheap lower bound first
+                at_least = tokenizer.min_tokens(text)
+                if at_least >= context:
+                    raise _PromptTooLong(f"at least {at_least}")
+            ids = tokenizer.encode(text)
+            if len(ids) >= context:
+                raise _PromptTooLong(str(len(ids)))
+            return ids
+
         try:
-            ids = self.tokenizer.encode_chat(
-                messages, tools=tools, **(req.chat_template_kwargs or {})
-            )
+            if _payload_chars(messages, tools) < INLINE_ENCODE_CHARS:
+                return encode()  # a short prompt: cheaper here than a trip to a thread
+            return await asyncio.to_thread(encode)
+        except _PromptTooLong as exc:
+            self.counters["context_overflow"] += 1
+            raise ApiError(
+                400,
+                f"the prompt has {exc} tokens but the model's context is {context}; "
+                "shorten the conversation",
+                code="context_length_exceeded",
+                param="messages",
+            ) from None
         except Exception as exc:  # template errors name the offending message
             raise ApiError(
                 400, f"cannot apply the chat template: {exc}", param="messages"
             ) from None
-        if len(ids) >= self.max_context:
-            self.counters["context_overflow"] += 1
-            raise ApiError(
-                400,
-                f"the prompt has {len(ids)} tokens but the model's context is "
-                f"{self.max_context}; shorten the conversation",
-                code="context_length_exceeded",
-                param="messages",
-            )
-        return ids
 
     def _sampling(
         self, req: ChatCompletionRequest, prompt_len: int, session: Session | None = None
@@ -531,8 +821,8 @@ class Proxy:
             raise ApiError(400, str(exc), code="context_length_exceeded") from None
         except (BackendError, OSError, RuntimeError, ValueError) as exc:  # engine refused
             self.counters["backend_error"] += 1
-            if session is not None:
-                session.episode.errors.append({"kind": "backend_error", "message": str(exc)})
+            if session is not None:  # recorded here, once (callers do not record it again)
+                self.sessions.note_error(session, {"kind": "backend_error", "message": str(exc)})
             raise ApiError(
                 502,
                 f"the inference engine failed: {exc}",
@@ -646,15 +936,15 @@ class Proxy:
 
 # ---------------------------------------------------------------------- helpers
 async def _parse(request: Request, model: type[M], *, allow_empty: bool = False) -> M:
-    raw = await request.body()
+    """The request's JSON body as ``model``; a 413 or a 400 naming the field for anything
+    the proxy does not take (see :class:`RequestLimits` and :func:`check_json`)."""
+    limits = request_limits(request)
+    raw = await _read_body(request, limits.max_body_bytes)
     if not raw.strip():
         if allow_empty:
             return model()
         raise ApiError(400, "the request body is empty; send a JSON object")
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    data = load_json(raw, max_depth=limits.max_depth)
     if not isinstance(data, dict):
         raise ApiError(400, f"expected a JSON object, got {type(data).__name__}")
     return _validate(data, model)
@@ -664,12 +954,10 @@ def _validate(data: dict[str, Any], model: type[M] = ChatCompletionRequest) -> M
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        first = exc.errors()[0]["loc"] if exc.errors() else ()
+        raise _validation_error(exc.errors(include_url=False)) from None
+    except RecursionError:  # an in-process caller's value nested too deeply
         raise ApiError(
-            400, f"invalid request: {problems}", param=".".join(str(p) for p in first) or None
+            400, f"the request nests deeper than {MAX_JSON_DEPTH} levels; send flatter data"
         ) from None
 
 
@@ -687,8 +975,22 @@ def _message_dict(message: BaseModel) -> dict[str, Any]:
     return d
 
 
-async def _sse(body: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
-    """Replay a finished completion as OpenAI chat.completion.chunk events."""
+async def _disconnected(request: Request) -> None:
+    """Return when the client of ``request`` (its body already read) disconnects."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _sse(
+    body: dict[str, Any],
+    include_usage: bool,
+    before_done: Callable[[], Awaitable[dict[str, Any] | None]] | None = None,
+) -> AsyncIterator[str]:
+    """Replay a finished completion as OpenAI chat.completion.chunk events; ``before_done``
+    runs before ``[DONE]`` (the call is recorded there) and may return an error event
+    instead (then the stream ends without ``[DONE]``)."""
     head = {
         "id": body["id"],
         "object": "chat.completion.chunk",
@@ -745,4 +1047,279 @@ async def _sse(body: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
         )
     if include_usage:
         yield event([], usage=body["usage"])
+    if before_done is not None:
+        failed = await before_done()
+        if failed is not None:
+            yield "data: " + json.dumps(failed) + "\n\n"
+            return
     yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------- request limits
+class _PromptTooLong(Exception):
+    """The prompt cannot fit the model's context (the message says how many tokens)."""
+
+
+@dataclass
+class RequestLimits:
+    """What a request body may be, checked before anything is parsed into a model or
+    stored: beyond ``max_body_bytes`` a 413; nested deeper than ``max_depth``, a lone UTF-16
+    surrogate in any string or key, a non-finite number (``NaN``, ``Infinity``, ``1e999``)
+    or an integer outside the signed 64-bit range, a 400 naming the field. Change them on
+    a proxy as ``proxy.limits.max_body_bytes = ...``."""
+
+    max_body_bytes: int = 8 * 2**20
+    max_depth: int = MAX_JSON_DEPTH
+
+
+def request_limits(request: Request) -> RequestLimits:
+    """The limits of the app serving ``request`` (the defaults if it has none)."""
+    limits = getattr(request.app.state, "request_limits", None)
+    return limits if isinstance(limits, RequestLimits) else RequestLimits()
+
+
+INLINE_ENCODE_CHARS = 8192
+"""Prompts whose text is shorter than this are tokenized on the event loop (well under a
+millisecond); longer ones in a worker thread."""
+
+
+def _payload_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """About how many characters ``messages`` and ``tools`` render to (a cheap upper bound
+    on the template's own text is not needed: long prompts are far over the cut)."""
+    size = sum(
+        len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in messages
+    )
+    return size + (len(str(tools)) if tools else 0)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer
+        raise ApiError(499, "the client closed the connection", code="client_closed") from None
+    raw = b"".join(chunks)
+    request._body = raw  # what Request.body() returns from now on
+    return raw
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body has {size}+ bytes, over this proxy's limit of {limit} bytes; "
+        "send a shorter conversation (or raise Proxy.limits.max_body_bytes)",
+        code="request_too_large",
+    )
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ApiError(
+        400,
+        f"the request body holds {name}, which is not a JSON number; send a finite number "
+        "(or null)",
+    )
+
+
+_PARSE_DEPTH = 400
+"""The deepest body that is parsed before its depth is checked (with its field's name)."""
+
+
+def load_json(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse a request body, checked by :func:`check_json`; a 400 saying what is wrong."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not UTF-8: {exc}") from None
+    # Far too deep for json.loads, which recurses once per level: refused unparsed. Less
+    # deep bodies are parsed, and check_json names the field that nests too deeply.
+    scan = max(max_depth, _PARSE_DEPTH)
+    if text.count("[") + text.count("{") > scan and (depth := json_text_depth(text)) > scan:
+        raise ApiError(
+            400,
+            f"the request body nests objects and arrays {depth} levels deep, over the limit "
+            f"of {max_depth}; send flatter data",
+            code="too_deep",
+        )
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ApiError(
+            400, f"the request body nests deeper than {max_depth} levels; send flatter data"
+        ) from None
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    check_json(data, max_depth=max_depth)
+    return data
+
+
+def check_json(value: Any, *, max_depth: int = MAX_JSON_DEPTH, where: str = "") -> None:
+    """Refuse (a 400 naming the field) what cannot be stored and read back as JSON: nesting
+    deeper than ``max_depth``, lone surrogates in strings and keys, non-finite floats and
+    integers outside the signed 64-bit range. Iterative: any depth is safe to check."""
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(value, 0, ())]
+    while stack:
+        item, depth, path = stack.pop()
+        kind = type(item)
+        if kind is str:
+            _check_text(item, path, where)
+        elif kind is dict or kind is list:
+            if depth >= max_depth:
+                raise ApiError(
+                    400,
+                    f"{_field(path, where)}: nests objects and arrays deeper than {max_depth} "
+                    "levels; send flatter data",
+                    param=_field(path, where),
+                    code="too_deep",
+                )
+            if kind is dict:
+                for key, child in item.items():
+                    _check_text(key, (*path, key), where, key=True)
+                    if type(child) is not str or not child.isascii():
+                        stack.append((child, depth + 1, (*path, key)))
+            else:
+                for index, child in enumerate(item):
+                    if type(child) is not str or not child.isascii():
+                        stack.append((child, depth + 1, (*path, index)))
+        elif kind is int:
+            if not INT64_MIN <= item <= INT64_MAX:
+                raise ApiError(
+                    400,
+                    f"{_field(path, where)}: the integer {_short_int(item)} is out of range; "
+                    "integers must fit in 64 bits (-2**63 to 2**63 - 1)",
+                    param=_field(path, where),
+                )
+        elif kind is float and not math.isfinite(item):
+            raise ApiError(
+                400,
+                f"{_field(path, where)}: {item} is not a finite number; send a finite number",
+                param=_field(path, where),
+            )
+
+
+def _check_text(text: str, path: tuple[Any, ...], where: str, *, key: bool = False) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        what = "key" if key else "string"
+        bad = text[exc.start]
+        raise ApiError(
+            400,
+            f"{_field(path, where)}: the {what} holds a lone UTF-16 surrogate "
+            f"({bad.encode('unicode_escape').decode()!s} at character {exc.start}), which "
+            "is not Unicode text; send valid UTF-8 (binary data as base64)",
+            param=_field(path, where),
+            code="invalid_unicode",
+        ) from None
+
+
+def _field(path: tuple[Any, ...], where: str) -> str:
+    parts: list[str | int] = [where] if where else []
+    parts += [
+        p if isinstance(p, int) else p.encode("ascii", "backslashreplace").decode() for p in path
+    ]
+    return ".".join(str(p) for p in parts) or "body"
+
+
+def _short_int(n: int) -> str:
+    digits = len(str(abs(n))) if abs(n) < 10**4000 else 4000
+    return str(n) if digits <= 30 else f"of {digits}+ digits"
+
+
+def _validation_error(errors: Sequence[Any]) -> ApiError:
+    """The 400 for pydantic's (or FastAPI's) validation errors, naming each field."""
+    problems = []
+    for e in errors:
+        loc = [str(p) for p in e.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            loc = loc[1:] if loc[0] == "body" else loc
+        problems.append((".".join(loc) or "body", str(e.get("msg", "invalid"))))
+    message = "; ".join(f"{where}: {msg}" for where, msg in problems) or "invalid request"
+    param = problems[0][0] if problems else None
+    if param and param.split(".")[0] in ("query", "path", "header"):
+        param = param.split(".", 1)[-1]
+    return ApiError(400, f"invalid request: {message}", param=param)
+
+
+# ---------------------------------------------------------------------- OpenAPI
+_ERROR_TEXT = {
+    400: "A malformed request: the message names the field and the fix",
+    401: "A missing or wrong API key",
+    403: "The key may not do this (another session's key; rewards in a run without self-rewarding)",
+    404: "No such session (or task, or stored response)",
+    409: "The session has ended, or the call conflicts with its state",
+    413: "The request body is over the proxy's size limit",
+    429: "No room for a new session (or no task) now: retry after Retry-After seconds",
+    502: "The inference engine failed",
+    503: "The episode store failed, or the service is shutting down",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` documenting these error statuses with :class:`ErrorBody`."""
+    return {s: {"model": ErrorBody, "description": _ERROR_TEXT[s]} for s in statuses}
+
+
+def json_body(
+    app: FastAPI, model: type[BaseModel] | str, *, required: bool = True
+) -> dict[str, Any]:
+    """``openapi_extra`` documenting a route's JSON body as ``model`` (its name for a model
+    defined in a module that imports this one: ``"ResponsesRequest"``), for routes that read
+    the body raw (:func:`_parse`) to answer the proxy's own 400s."""
+    models: dict[str, type[BaseModel] | str] = getattr(app.state, "body_models", None) or {}
+    name = model if isinstance(model, str) else model.__name__
+    models[name] = model
+    app.state.body_models = models
+    app.openapi_schema = None
+    schema = {"$ref": f"#/components/schemas/{name}"}
+    content = {"application/json": {"schema": schema}}
+    return {"openapi_extra": {"requestBody": {"required": required, "content": content}}}
+
+
+def _body_model(model: type[BaseModel] | str) -> type[BaseModel]:
+    if not isinstance(model, str):
+        return model
+    from . import responses
+
+    found = getattr(responses, model, None)
+    if not (isinstance(found, type) and issubclass(found, BaseModel)):
+        raise LookupError(f"no request model {model!r}")
+    return found
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """The app's OpenAPI document, with the request bodies of :func:`json_body` and no 422
+    answers (validation errors are 400s with :class:`ErrorBody`)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(
+        title=app.title, version=app.version, description=__doc__, routes=app.routes
+    )
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    models = {name: _body_model(m) for name, m in (getattr(app.state, "body_models", {})).items()}
+    refs, defs = models_json_schema(
+        [(m, "validation") for m in models.values()],
+        ref_template="#/components/schemas/{model}",
+    )
+    components.update(defs.get("$defs", {}))
+    for name, m in models.items():
+        ref = refs[(m, "validation")]
+        if ref.get("$ref") != f"#/components/schemas/{name}":
+            components[name] = ref
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    if not any("ValidationError" in str(op) for op in schema.get("paths", {}).values()):
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+    app.openapi_schema = schema
+    return schema

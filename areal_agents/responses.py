@@ -75,6 +75,7 @@ events (``response.reasoning_text.delta/.done``; ``response.content_part.added``
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import weakref
@@ -82,11 +83,13 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, TypeVar
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.responses import Response as HttpResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .proxy import ApiError, Proxy
+from .schemas import SEED_MAX, TOKENS_MAX
 from .session import Session
 from .trajectory import Completion, message_key
 
@@ -166,7 +169,7 @@ class ResponsesRequest(_Wire):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=TOKENS_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -182,21 +185,29 @@ class ResponsesRequest(_Wire):
     safety_identifier: str | None = None
     service_tier: str | None = None
     background: bool | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: int | None = Field(default=None, ge=0, le=TOKENS_MAX)
     # extensions, as in the chat completions endpoint
-    seed: int | None = None
-    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
+    top_k: int | None = Field(default=None, ge=-1, le=TOKENS_MAX)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------- the endpoint
 async def respond(
-    proxy: Proxy, session: Session | None, req: ResponsesRequest, *, agent: str | None = None
+    proxy: Proxy,
+    session: Session | None,
+    req: ResponsesRequest,
+    *,
+    agent: str | None = None,
+    request: Request | None = None,
 ) -> HttpResponse:
     """Answer one ``POST /v1/responses`` (recorded into ``session``; None: not recorded;
-    ``agent`` names the calling agent)."""
+    ``agent`` names the calling agent). With the HTTP ``request``, a client that disconnects
+    before the answer is ready cancels the generation and nothing is recorded; the call is
+    committed to the proxy's store (and the conversation kept for ``previous_response_id``)
+    before the answer is sent."""
     _refuse_server_state(req)
-    prior = _prior_conversation(session, req.previous_response_id)
+    prior = await _prior_conversation(proxy, session, req.previous_response_id)
     turn = input_messages(req.input, session)
     if not prior and not turn:
         raise ApiError(
@@ -206,11 +217,17 @@ async def respond(
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     chat = chat_request(req, [*system, *prior, *turn], tools)
     proxy.counters["responses_calls"] += 1
-    body = await proxy.complete(session, chat, agent=agent)
+    work = proxy.reply(session, chat, agent=agent)
+    reply = await (proxy.until_disconnect(request, work) if request is not None else work)
+    body = reply.body
     choice = body["choices"][0]
     response = response_object(req, body, time.time())
     if session is not None and req.store is not False:
-        STORE.put(session, response["id"], [*prior, *turn, choice["message"]])
+        conversation = [*prior, *turn, choice["message"]]
+        STORE.put(session, response["id"], conversation)
+        if proxy.store is not None:
+            proxy.store.put_response(session.id, response["id"], conversation)
+    await proxy.commit(reply)
     if req.stream:
         return StreamingResponse(sse_events(response), media_type="text/event-stream")
     return JSONResponse(response)
@@ -235,7 +252,9 @@ def _refuse_server_state(req: ResponsesRequest) -> None:
             )
 
 
-def _prior_conversation(session: Session | None, response_id: str | None) -> list[dict[str, Any]]:
+async def _prior_conversation(
+    proxy: Proxy, session: Session | None, response_id: str | None
+) -> list[dict[str, Any]]:
     if response_id is None:
         return []
     if session is None:
@@ -245,6 +264,8 @@ def _prior_conversation(session: Session | None, response_id: str | None) -> lis
             param="previous_response_id",
         )
     conversation = STORE.get(session, response_id)
+    if conversation is None and proxy.store is not None:  # a response of an earlier process
+        conversation = await asyncio.to_thread(proxy.store.response, session.id, response_id)
     if conversation is None:
         raise ApiError(
             404,

@@ -194,6 +194,7 @@ class Runner:
                 env = make_env()
             except Exception as exc:
                 raise UserError(f"cannot create the environment: {exc!r}") from exc
+            recorded = False  # whether the proxy already recorded the failure on the episode
             try:
                 drive = self._drive_agent if agent is not None else self._drive_env
                 reason = await asyncio.wait_for(
@@ -209,12 +210,12 @@ class Runner:
                     exc.code or "", "backend_error" if exc.status >= 500 else "bad_request"
                 )
                 error = exc.message
+                recorded = exc.code == "backend_error"  # the proxy recorded it on the episode
             finally:
                 _close(env)
-            if error is not None:
-                session.episode.errors.append({"kind": reason, "message": error})
-            self.proxy.sessions.end(session, reason=reason)
-            self.proxy.sessions.remove(session.id)
+            failure = None if error is None or recorded else {"kind": reason, "message": error}
+            self.proxy.sessions.end(session, reason=reason, error=failure)
+            self.proxy.sessions.release(session.id)
             ep = session.episode
             reward = sum(c.reward for c in ep.completions) + (ep.final_reward or 0.0)
             return EpisodeResult(

@@ -2,17 +2,60 @@
 
 from __future__ import annotations
 
+import re
+from itertools import accumulate
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
+MAX_JSON_DEPTH = 64
+"""How deeply a request body (and a JSON string in it, e.g. tool call arguments) may nest
+objects and arrays."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The integers a request body may hold anywhere (signed 64-bit)."""
+SEED_MAX = 2**63 - 1
+"""The largest ``seed`` (each of ``n`` choices uses ``seed + i``, which must stay below 2**63)."""
+TOKENS_MAX = 2**31 - 1
+"""The bound of token counts and other engine-side integers (max_tokens, top_k...)."""
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_text_depth(text: str) -> int:
+    """How deeply the JSON (or JSON-like) ``text`` nests arrays and objects, without parsing
+    it (brackets inside strings do not count): ``json_text_depth('{"a": [1]}') == 2``."""
+    if text.count("[") + text.count("{") <= 1:
+        return int("[" in text or "{" in text)
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    if not brackets:
+        return 0
+    return max(0, *accumulate(1 if ch in "[{" else -1 for ch in brackets))
+
+
+def _check_arguments_depth(arguments: str) -> str:
+    if arguments.count("[") + arguments.count("{") <= MAX_JSON_DEPTH:
+        return arguments  # cannot nest deeper than the limit
+    depth = json_text_depth(arguments)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(
+            f"the arguments string nests JSON {depth} levels deep, over the limit of "
+            f"{MAX_JSON_DEPTH}; send flatter arguments"
+        )
+    return arguments
+
 
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str
     arguments: str | dict[str, Any] = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _flat_enough(cls, v: str | dict[str, Any]) -> str | dict[str, Any]:
+        return _check_arguments_depth(v) if isinstance(v, str) else v
 
 
 class ToolCall(BaseModel):
@@ -75,11 +118,11 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: Any = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=-1, le=TOKENS_MAX)
+    max_tokens: int | None = Field(default=None, ge=1, le=TOKENS_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=TOKENS_MAX)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     n: int = Field(default=1, ge=1, le=64)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -99,6 +142,11 @@ class ChatCompletionRequest(BaseModel):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise ValueError(
+                f"seed + n - 1 must be below 2**63 (choice i samples with seed + i); "
+                f"send a seed of at most {SEED_MAX - self.n + 1}"
+            )
         choice = self.tool_choice
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name")
@@ -142,3 +190,19 @@ class EndIn(BaseModel):
     final_reward: float | None = Field(default=None, allow_inf_nan=False)
     reason: str | None = None
     error: dict[str, Any] | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    """``invalid_request_error``, ``authentication_error``, ``permission_error``,
+    ``not_found_error``, ``conflict_error``, ``rate_limit_error`` or ``server_error``."""
+    param: str | None = None
+    """The field (dotted path) the error is about, when it is about one."""
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer (the OpenAI error format)."""
+
+    error: ErrorDetail

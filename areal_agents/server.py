@@ -109,6 +109,8 @@ def serve_forever(proxy: Proxy, host: str, port: int) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
         asyncio.run(proxy.engine.close())
+        if proxy.store is not None:
+            proxy.store.close()
 
 
 def _exit_on_signal(signum: int, _frame: Any) -> None:

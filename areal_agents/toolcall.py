@@ -280,7 +280,7 @@ def _parse_function_tag(body: str, fn: re.Match[str], end: int, offset: int) -> 
             value = value.strip("\n")
             try:
                 args[key] = json.loads(value)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # kept as text
                 args[key] = value
         return _Call(name=name, arguments=json.dumps(args, ensure_ascii=False), pos=pos)
     where = f"<function={name}>"
@@ -331,7 +331,7 @@ def _parse_whole_json(body: str, offset: int) -> tuple[list[_Call], list[str], s
         return [], [], body
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return [], [], body  # JSON-looking content, not a call: nothing to report
     items = value if isinstance(value, list) else [value]
     if not items or not all(_looks_like_call(item) for item in items):
@@ -380,6 +380,9 @@ def _call_from_object(obj: Any, raw: dict[str, str], where: str, pos: int) -> _C
         except json.JSONDecodeError as e:
             detail = f'"{key}" is a string but not JSON ({e.msg})'
             raise _CallError(f"tool call {name!r}", pos, detail) from None
+        except RecursionError:
+            detail = f'"{key}" is nested too deeply'
+            raise _CallError(f"tool call {name!r}", pos, detail) from None
         if not isinstance(inner, dict):
             raise _CallError(f"tool call {name!r}", pos, f'"{key}" must hold a JSON object')
         text = args
@@ -402,6 +405,8 @@ def _decode_json(
         value, end = _DECODER.raw_decode(text)
     except json.JSONDecodeError as e:
         raise _CallError(f"invalid JSON in {where}", pos + e.pos, e.msg) from None
+    except RecursionError:
+        raise _CallError(f"JSON nested too deeply in {where}", pos) from None
     if not allow_trailing and text[end:].strip():
         raise _CallError(f"unexpected text after the JSON in {where}", pos + end)
     raw: dict[str, str] = {}

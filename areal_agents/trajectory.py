@@ -103,14 +103,17 @@ class Episode:
         # The message keys of each recorded completion's request, so that linking a new
         # completion does not re-key the whole episode (see ``_chain``).
         self._request_keys: dict[int, tuple[Completion, int, list[tuple[Any, ...]]]] = {}
+        self.bases: dict[str, PromptBase] = {}
+        """Known :class:`PromptBase` of completions (by id), e.g. as read from a store: a
+        cache for delta reads, which compute the rest."""
 
     def __getstate__(self) -> dict[str, Any]:
-        # The keys are a cache: copies and pickles (sent to trainer processes) go without.
-        return {k: v for k, v in self.__dict__.items() if k != "_request_keys"}
+        # The caches: copies and pickles (sent to trainer processes) go without.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_request_keys", "bases")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._request_keys = {}
+        self._request_keys, self.bases = {}, {}
 
     # -- building --------------------------------------------------------------------
     def add(self, completion: Completion) -> Completion:
@@ -162,12 +165,55 @@ class Episode:
         return build_samples(self, gamma)
 
     # -- export ------------------------------------------------------------------------
-    def to_dict(self, gamma: float = 1.0) -> dict[str, Any]:
+    def to_dict(
+        self,
+        gamma: float = 1.0,
+        *,
+        prompts: str = "full",
+        offset: int = 0,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """The episode as JSON-ready data.
+
+        ``prompts="full"``: every completion carries its ``messages`` and ``prompt_ids``, and
+        the training ``samples`` come along (O(turns²) for long episodes). ``"delta"``: each
+        completion carries ``prompt_base`` ``{completion_id, tokens, messages}`` (or None)
+        plus ``prompt_suffix`` and ``messages_suffix`` instead (see :class:`PromptBase`;
+        :func:`episode_from_dict` rebuilds the full form), and no samples: O(tokens).
+        ``offset``/``limit`` page through the completions (``next_offset``: None on the last
+        page); a paged read has no samples either.
+        """
+        if prompts not in ("full", "delta"):
+            raise ValueError(f"prompts must be 'full' or 'delta', got {prompts!r}")
         rets = self.returns(gamma)
-        samples, merges = build_samples(self, gamma)
+        end = len(self.completions) if limit is None else min(len(self.completions), offset + limit)
+        whole = prompts == "full" and offset == 0 and end == len(self.completions)
+        if whole:
+            samples, merges = build_samples(self, gamma)
+            n_samples = len(samples)
+        else:  # no samples to build: the decisions alone, O(tokens)
+            samples, merges = [], merge_decisions(self)
+            n_samples = sum(1 for m in merges if not m["merged"])
         completions = []
-        for c, m in zip(self.completions, merges, strict=True):
-            d = asdict(c)
+        for i in range(offset, end):
+            c, m = self.completions[i], merges[i]
+            if prompts == "full":
+                d = asdict(c)
+            else:
+                # Shallow: asdict would deep-copy every prompt first (O(turns²) again).
+                d = {k: getattr(c, k) for k in _COMPLETION_FIELDS if k not in _FULL_ONLY}
+                base = self.bases.get(c.id) or prompt_base(self.completions[:i], c)
+                d["prompt_base"] = (
+                    None
+                    if base.index is None
+                    else {
+                        "completion_id": self.completions[base.index].id,
+                        "tokens": base.tokens,
+                        "messages": base.messages,
+                    }
+                )
+                d["prompt_suffix"] = c.prompt_ids[base.tokens :]
+                d["messages_suffix"] = c.messages[base.messages :]
             d["return"] = rets[c.id]
             d["merge"] = m
             completions.append(d)
@@ -182,17 +228,71 @@ class Episode:
             "errors": self.errors,
             "final_reward": self.final_reward,
             "gamma": gamma,
+            "prompts": prompts,
+            "offset": offset,
+            "next_offset": end if end < len(self.completions) else None,
             "completions": completions,
-            "samples": [asdict(s) for s in samples],
+            "samples": [asdict(s) for s in samples] if whole else None,
             "metrics": {
                 "completions": len(self.completions),
-                "samples": len(samples),
+                "samples": n_samples,
                 "merge_rate": merged / eligible if eligible else 0.0,
                 "merge_mismatches": sum(1 for m in merges if m["reason"] == "token_mismatch"),
                 "output_tokens": sum(len(c.output_ids) for c in self.completions),
             },
             "metadata": self.metadata,
         }
+
+    def snapshot(self) -> Episode:
+        """A copy that later records do not change (completions shared, not copied)."""
+        copy = Episode(
+            self.session_id,
+            completions=list(self.completions),
+            final_reward=self.final_reward,
+            group_id=self.group_id,
+            task_id=self.task_id,
+            ended=self.ended,
+            end_reason=self.end_reason,
+            errors=list(self.errors),
+            metadata=dict(self.metadata),
+        )
+        copy.bases = dict(self.bases)
+        return copy
+
+
+_COMPLETION_FIELDS = tuple(Completion.__dataclass_fields__)
+_FULL_ONLY = ("messages", "prompt_ids")
+
+
+def episode_from_dict(data: dict[str, Any]) -> Episode:
+    """The :class:`Episode` of a trajectory read (``to_dict``, full or delta, all pages
+    concatenated), prompts and messages rebuilt exactly; rewards as recorded."""
+    built: list[Completion] = []
+    by_id: dict[str, Completion] = {}
+    for d in data["completions"]:
+        fields = {k: v for k, v in d.items() if k in _COMPLETION_FIELDS}
+        if "prompt_ids" not in d:
+            base = d.get("prompt_base")
+            prompt, messages = list(d["prompt_suffix"]), list(d["messages_suffix"])
+            if base is not None:
+                b = by_id[base["completion_id"]]
+                prompt = [*(b.prompt_ids + b.output_ids)[: base["tokens"]], *prompt]
+                messages = [*[*b.messages, b.message][: base["messages"]], *messages]
+            fields["prompt_ids"], fields["messages"] = prompt, messages
+        c = Completion(**fields)
+        built.append(c)
+        by_id[c.id] = c
+    return Episode(
+        data["session_id"],
+        completions=built,
+        final_reward=data.get("final_reward"),
+        group_id=data.get("group_id"),
+        task_id=data.get("task_id"),
+        ended=bool(data.get("ended")),
+        end_reason=data.get("end_reason"),
+        errors=list(data.get("errors") or []),
+        metadata=dict(data.get("metadata") or {}),
+    )
 
 
 # ------------------------------------------------------------------ parent links
@@ -218,7 +318,7 @@ def _canonical_args(fn: dict[str, Any]) -> str:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return args.strip()
     return json.dumps(args, sort_keys=True, separators=(",", ":"))
 
@@ -258,6 +358,54 @@ def _longest_prefix(
     return best[1] if best else None
 
 
+# ------------------------------------------------------------------ prompt deltas
+@dataclass(frozen=True)
+class PromptBase:
+    """How a completion's request extends an earlier completion of its episode.
+
+    ``prompt_ids == (base.prompt_ids + base.output_ids)[:tokens] + suffix`` and
+    ``messages == (base.messages + [base.message])[:messages] + suffix``, where ``base`` is
+    completion number ``index`` (None: no base, everything is suffix).
+    """
+
+    index: int | None
+    tokens: int = 0
+    messages: int = 0
+
+
+def prompt_base(earlier: Sequence[Completion], c: Completion) -> PromptBase:
+    """The base of ``c`` among the ``earlier`` completions of its episode: its parent in the
+    tree or the completion just before it (parallel calls share a prompt), whichever shares
+    more prompt tokens with it. Storing only the rest makes an episode O(tokens)."""
+    candidates: list[int] = []
+    if c.parent_id is not None:
+        i = next((k for k in range(len(earlier) - 1, -1, -1) if earlier[k].id == c.parent_id), -1)
+        if i >= 0:
+            candidates.append(i)
+    if earlier and (not candidates or candidates[0] != len(earlier) - 1):
+        candidates.append(len(earlier) - 1)
+    best = PromptBase(None)
+    for i in candidates:
+        b = earlier[i]
+        tokens = _shared_prefix(c.prompt_ids, b.prompt_ids + b.output_ids)
+        if best.index is None or tokens > best.tokens:
+            chain = [*b.messages, b.message]
+            n = len(chain)
+            if c.messages[:n] != chain:  # else the usual case, compared at C speed
+                n = 0
+                while n < min(len(chain), len(c.messages)) and chain[n] == c.messages[n]:
+                    n += 1
+            best = PromptBase(i, tokens, n)
+    return best
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared at C speed
+        return n
+    return common_prefix_len(a, b)
+
+
 # ------------------------------------------------------------------ samples
 def build_samples(
     episode: Episode, gamma: float = 1.0
@@ -291,6 +439,45 @@ def build_samples(
         s.versions.extend(c.output_versions)
         s.token_completion.extend([idx] * len(c.output_ids))
     return samples, merges
+
+
+def merge_decisions(episode: Episode) -> list[dict[str, Any]]:
+    """The merge decision of every completion, as :func:`build_samples` makes it, without
+    building the samples: a sample always ends with its last completion's prompt + output,
+    so a child merges iff it is its parent's only child and its prompt starts with the
+    parent's prompt + output (known from :attr:`Episode.bases` where recorded)."""
+    kids = episode.children()
+    index = {c.id: i for i, c in enumerate(episode.completions)}
+    out: list[dict[str, Any]] = []
+    for c in episode.completions:
+        if c.parent_id is None:
+            out.append({"merged": False, "reason": "root"})
+            continue
+        siblings = len(kids[c.parent_id])
+        if siblings > 1:
+            out.append(
+                {"merged": False, "reason": "parent_has_several_children", "children": siblings}
+            )
+            continue
+        p = episode.completions[index[c.parent_id]]
+        n = len(p.prompt_ids) + len(p.output_ids)
+        known = episode.bases.get(c.id)
+        if known is not None and known.index == index[p.id] and known.tokens == n:
+            extends = True
+        else:
+            extends = len(c.prompt_ids) >= n and c.prompt_ids[:n] == p.prompt_ids + p.output_ids
+        if extends:
+            out.append({"merged": True, "reason": "token_prefix"})
+        else:
+            prefix = p.prompt_ids + p.output_ids
+            out.append(
+                {
+                    "merged": False,
+                    "reason": "token_mismatch",
+                    "position": _shared_prefix(c.prompt_ids, prefix),
+                }
+            )
+    return out
 
 
 def _merge_decision(

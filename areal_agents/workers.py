@@ -64,7 +64,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import AgentError, AgentLost
-from .proxy import ApiError, Proxy, _parse
+from .proxy import ApiError, Proxy, _parse, error_responses, json_body
 
 if TYPE_CHECKING:
     from .runner import AgentTask
@@ -204,6 +204,13 @@ class WorkerHub:
         with self._lock:
             self._queue[handle.id] = handle
             self.counters["enqueued"] += 1
+            self._persist(
+                handle,
+                session_id=task.session_id,
+                task_id=task.task_id,
+                group_id=task.group_id,
+                created_at=time.time(),
+            )
         self._wake_pollers()
         return handle
 
@@ -272,21 +279,48 @@ class WorkerHub:
             handle.state, handle.outcome = state, (state, message)
             why = f"task {handle.id} is over: {message}"
             self.counters[state] += 1
+        self._persist(handle, finished_at=time.time(), message=message)
         self._gone[handle.id] = why
         while len(self._gone) > _KEEP_GONE:
             self._gone.popitem(last=False)
         handle.notify()
         return True
 
+    def _persist(self, handle: _Handle, **values: Any) -> None:
+        """Write the task's state to the proxy's episode store, if it has one."""
+        store = self.proxy.store
+        if store is not None:
+            store.put_task(handle.id, state=handle.state, **values)
+
     # ------------------------------------------------------------------ routes
     def _install(self) -> None:
         app = self.proxy.app
-        app.add_api_route("/workers/tasks/next", self.next_task, methods=["POST"])
-        app.add_api_route("/workers/tasks/{task_id}/heartbeat", self.heartbeat, methods=["POST"])
+        polled = error_responses(400, 401, 413, 429, 503)
+        task = error_responses(400, 401, 404, 409, 413)
         app.add_api_route(
-            "/workers/tasks/{task_id}/tools/{tool_name}", self.call_tool, methods=["POST"]
+            "/workers/tasks/next",
+            self.next_task,
+            methods=["POST"],
+            responses=polled,
+            **json_body(app, NextIn, required=False),
         )
-        app.add_api_route("/workers/tasks/{task_id}/result", self.post_result, methods=["POST"])
+        app.add_api_route(
+            "/workers/tasks/{task_id}/heartbeat", self.heartbeat, methods=["POST"], responses=task
+        )
+        app.add_api_route(
+            "/workers/tasks/{task_id}/tools/{tool_name}",
+            self.call_tool,
+            methods=["POST"],
+            responses=task,
+            **json_body(app, ToolCallIn, required=False),
+        )
+        app.add_api_route(
+            "/workers/tasks/{task_id}/result",
+            self.post_result,
+            methods=["POST"],
+            responses=task,
+            **json_body(app, ResultIn),
+        )
 
     def _auth(self, request: Request) -> None:
         key = Proxy._bearer(request) or ""
@@ -358,6 +392,7 @@ class WorkerHub:
         handle.handed_at = handle.last_seen = now
         self._running[handle.id] = handle
         self.counters["handed_out"] += 1
+        self._persist(handle, worker_id=worker_id, handed_at=time.time())
         return handle
 
     def _requeue(self, handle: _Handle) -> None:
@@ -367,6 +402,7 @@ class WorkerHub:
                 return
             self._running.pop(handle.id, None)
             handle.state, handle.worker_id = _QUEUED, None
+            self._persist(handle, worker_id=None, handed_at=None)
             self._queue[handle.id] = handle
             self._queue.move_to_end(handle.id, last=False)
             self.counters["handed_out"] -= 1

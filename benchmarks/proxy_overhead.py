@@ -6,9 +6,11 @@ recording), served by uvicorn in its own process, driven by an aiohttp client in
 process (a load generator much lighter than the proxy, so it measures the proxy). Each
 session sends a 3-turn conversation (the prompt grows every turn).
 
-    python benchmarks/proxy_overhead.py [--calls 2000] [--concurrency 1 64]
+    python benchmarks/proxy_overhead.py [--calls 2000] [--concurrency 1 64] [--store both]
 
-Prints p50 / p99 added latency (proxy minus direct) and calls/s for each concurrency.
+Prints p50 / p99 added latency (proxy minus direct) and calls/s for each concurrency, with
+sessions in memory only and with the durable SQLite episode store (every call committed
+before it is answered), and the store's cost beside.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,11 +35,13 @@ import sys, uvicorn
 from areal_agents.chat import ChatTokenizer
 from areal_agents.fake_engine import FakeEngine
 from areal_agents.proxy import Proxy
+from areal_agents.store import EpisodeStore
 tok = ChatTokenizer.from_dir(sys.argv[1])
 reply = tok.encode("The answer is 42, as computed by the calculator tool.")
 end = tok.token_id("<|im_end|>")
 engine = FakeEngine(lambda ids, p: [*reply, end])
-proxy = Proxy(engine, tok, admin_key="bench")
+store = EpisodeStore(sys.argv[3]) if sys.argv[3] else None
+proxy = Proxy(engine, tok, admin_key="bench", store=store)
 uvicorn.run(proxy.app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning",
             access_log=False)
 """
@@ -136,10 +141,40 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=1500)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--store", choices=["none", "sqlite", "both"], default="both")
     args = ap.parse_args()
+    direct = asyncio.run(direct_latency(2000))
+    d50 = statistics.median(direct)
+    print(f"direct engine call: p50 {d50 * 1e3:.3f} ms")
+    print(
+        "| store | concurrency | calls | proxy p50 ms | proxy p99 ms | added p50 ms "
+        "| added p99 ms | calls/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    stores = {"none": [""], "sqlite": ["sqlite"], "both": ["", "sqlite"]}[args.store]
+    results: dict[tuple[str, int], tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in stores:
+            path = str(Path(tmp) / "episodes.db") if kind else ""
+            for c, (p50, rate) in measure(path, args, direct, d50).items():
+                results[(kind or "memory", c)] = (p50, rate)
+    if len(stores) == 2:
+        for c in args.concurrency:
+            (m50, mrate), (s50, srate) = results[("memory", c)], results[("sqlite", c)]
+            print(
+                f"concurrency {c}: the store adds {(s50 - m50) * 1e3:.2f} ms at p50; "
+                f"calls/s with the store / without: {srate / mrate:.2f}"
+            )
+
+
+def measure(
+    store: str, args: argparse.Namespace, direct: list[float], d50: float
+) -> dict[int, tuple[float, float]]:
+    """Start the proxy (with ``store``, or none) and run each concurrency against it."""
     port = 18700 + os.getpid() % 1000
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, tokenizer_dir(), str(port)])
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, tokenizer_dir(), str(port), store])
     url = f"http://127.0.0.1:{port}"
+    out = {}
     try:
         for _ in range(300):
             try:
@@ -147,26 +182,21 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        direct = asyncio.run(direct_latency(2000))
-        d50 = statistics.median(direct)
         asyncio.run(run_load(url, 600, 8))  # warm-up
-        print(f"direct engine call: p50 {d50 * 1e3:.3f} ms")
-        print(
-            "| concurrency | calls | proxy p50 ms | proxy p99 ms | added p50 ms | added p99 ms "
-            "| calls/s |"
-        )
-        print("|---|---|---|---|---|---|---|")
         for c in args.concurrency:
             lat, wall = asyncio.run(run_load(url, args.calls, c))
             p50, p99 = pct(lat, 0.5), pct(lat, 0.99)
             print(
-                f"| {c} | {len(lat)} | {p50 * 1e3:.2f} | {p99 * 1e3:.2f} | "
-                f"{(p50 - d50) * 1e3:.2f} | {(p99 - pct(direct, 0.99)) * 1e3:.2f} | "
-                f"{len(lat) / wall:.0f} |"
+                f"| {'sqlite' if store else 'memory'} | {c} | {len(lat)} | {p50 * 1e3:.2f} | "
+                f"{p99 * 1e3:.2f} | {(p50 - d50) * 1e3:.2f} | "
+                f"{(p99 - pct(direct, 0.99)) * 1e3:.2f} | {len(lat) / wall:.0f} |",
+                flush=True,
             )
+            out[c] = (p50, len(lat) / wall)
     finally:
         proc.terminate()
         proc.wait(10)
+    return out
 
 
 if __name__ == "__main__":

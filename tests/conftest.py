@@ -82,3 +82,48 @@ async def _check_source(src, state, batch: int, group: int) -> None:
 def check_source():
     """``await check_source(started_source, its_state, batch_size, group_size)``."""
     return _check_source
+
+
+def _postgres_url() -> str | None:
+    """The PostgreSQL server for store tests (``AREAL_TEST_POSTGRES_URL``, e.g.
+    ``postgresql://postgres@127.0.0.1:5433/postgres``); ``.ci/run`` starts one and sets it."""
+    url = os.environ.get("AREAL_TEST_POSTGRES_URL")
+    if not url and os.environ.get("AREAL_REQUIRE_POSTGRES"):
+        pytest.fail("AREAL_REQUIRE_POSTGRES is set but AREAL_TEST_POSTGRES_URL is not")
+    return url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path):
+    """A fresh, empty episode store: a SQLite file, or a new database on the test server."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "episodes.db")
+        return
+    server = _postgres_url()
+    if server is None:
+        pytest.skip("no PostgreSQL server: set AREAL_TEST_POSTGRES_URL (.ci/run starts one)")
+    import uuid
+
+    import sqlalchemy as sa
+
+    from areal_agents.store import store_url as to_url
+
+    name = "t_" + uuid.uuid4().hex[:12]
+    admin = sa.create_engine(to_url(server), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    base, _, _ = to_url(server).rpartition("/")
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def qwen_chat_tokenizer():
+    """The real Qwen3 chat tokenizer (no model): for proxies on the instant FakeEngine."""
+    from areal_agents.chat import ChatTokenizer
+
+    return ChatTokenizer.from_dir(qwen_tokenizer_dir())

@@ -115,6 +115,8 @@ class GroupSource:
         """Set with the error of a group that failed outside its episodes (a bug, an env
         that cannot be made): ``next_batch`` raises it instead of waiting forever."""
         self.gate: StalenessGate | None = None
+        self.store: Any = None
+        """The run's episode store (``RUN_DIR/episodes.db``), closed with the source."""
 
     make_env: EnvFactory | None = None
     """The env the source's episodes run in (None: the episodes bring their own rewards)."""
@@ -174,6 +176,10 @@ class GroupSource:
         elif self._failure is not None:
             self._failure.exception()  # retrieved: no "never retrieved" warning
         self.state.dropped = dict(self.dropped)
+        if self.store is not None:  # episodes cut short here end as "cancelled" in the store
+            self.store.flush_sync()
+            self.store.close_open("cancelled")
+            self.store.close()
 
     # ------------------------------------------------------------------ producing
     async def _produce(self) -> None:
@@ -533,7 +539,7 @@ class SessionSource(GroupSource):
             del self._finished[next(iter(self._finished))]
         for sid in group.sessions:  # the episodes are the trainer's now
             with contextlib.suppress(SessionError):
-                self.proxy.sessions.remove(sid)
+                self.proxy.sessions.release(sid)
         self._spawn(self._settle(group.number, list(group.results.values()), probed_out=False))
 
 
@@ -559,20 +565,27 @@ def build_rollout(
     quiet: bool = False,
 ) -> Rollout:
     """The engine and the group source that ``cfg`` asks for. Loads the agent factory and
-    makes one env first, so that a bad factory or env fails here, before any episode."""
-    from envs.registry import make
+    makes one env and resets it with the first group's seed first (``envs.registry.probe``),
+    so that a bad factory or env config fails here, with its message, before any episode."""
+    from envs.registry import make, probe
 
     settings = SourceSettings.from_config(cfg, dynamic_sampling)
     env_id, kwargs = cfg.env.id, dict(cfg.env.kwargs)
-    if env_id is not None:  # None: a self-rewarded run (checked by the config)
-        probe = make(env_id, **kwargs)
-        if "split" in inspect.signature(type(probe.unwrapped).__init__).parameters:
-            kwargs.setdefault("split", cfg.env.split)
-        probe.close()
 
     def make_env() -> Any:
         assert env_id is not None
         return make(env_id, **kwargs)
+
+    if env_id is not None:  # None: a self-rewarded run (checked by the config)
+        what = f"env {env_id} (env.kwargs)"
+        try:
+            first = make_env()
+        except TypeError as exc:
+            raise ConfigError(f"{what}: the env does not take them: {exc}") from None
+        if "split" in inspect.signature(type(first.unwrapped).__init__).parameters:
+            kwargs.setdefault("split", cfg.env.split)
+        first.close()
+        probe(make_env, seed=settings.seed_base, what=what)
 
     agent = None
     if cfg.agent.factory is not None:
@@ -593,6 +606,7 @@ def build_rollout(
     from areal_agents.embedded import EmbeddedEngine
     from areal_agents.hardware import default_device, resolve_dtype
     from areal_agents.proxy import Proxy
+    from areal_agents.store import EpisodeStore
 
     device = default_device(cfg.model.device)
     engine = EmbeddedEngine.from_pretrained(
@@ -601,18 +615,24 @@ def build_rollout(
         device=cfg.model.device,
         decode=tokenizer.decode,
         max_batch_size=max(cfg.rollout.concurrency, 1),
+        max_context=cfg.model.max_context,  # the proxy refuses longer prompts (400)
         compute_lock=compute_lock,
     )
     external = cfg.rollout.agents == "external"
+    store = EpisodeStore(out / "episodes.db")  # every episode of the run, for inspection
+    store.close_open("lost_at_restart")  # a resumed run redoes the groups it had in flight
     proxy = Proxy(
         engine,
         tokenizer,
         self_rewarding=False,  # the env (or, self-rewarded, the worker token) rewards
         open_sessions=False,  # the trainer opens every session
         default_max_tokens=cfg.sampling.max_new_tokens,  # for agent calls that set none
+        store=store,
+        restore=False,  # sessions of an earlier process belong to groups that are gone
     )
     if agent is None and cfg.rollout.agents == "local":
-        return Rollout(engine, EnvSource(settings, state, Runner(proxy, **runner_kwargs), make_env))
+        runner = Runner(proxy, **runner_kwargs)
+        return _stored(engine, EnvSource(settings, state, runner, make_env), store)
     from areal_agents.server import LoopServer
 
     host, port = cfg.workers.host, cfg.workers.port
@@ -631,7 +651,7 @@ def build_rollout(
             sampling=runner_kwargs["sampling"],
             sampling_by_kind=runner_kwargs["sampling_by_kind"],
         )
-        return Rollout(engine, source)
+        return _stored(engine, source, store)
     hub = None
     if external:
         from areal_agents.workers import WorkerHub
@@ -648,8 +668,14 @@ def build_rollout(
     if hub is not None:
         if not quiet:
             print(f"worker API on {server.url} (token in {out / 'workers.json'})", flush=True)
-        return Rollout(engine, ExternalSource(settings, state, runner, make_env, hub, server))
-    return Rollout(engine, AgentSource(settings, state, runner, make_env, agent, server))
+        external_source = ExternalSource(settings, state, runner, make_env, hub, server)
+        return _stored(engine, external_source, store)
+    return _stored(engine, AgentSource(settings, state, runner, make_env, agent, server), store)
+
+
+def _stored(engine: Any, source: GroupSource, store: Any) -> Rollout:
+    source.store = store
+    return Rollout(engine, source)
 
 
 def _sampling(cfg: TrainConfig) -> dict[str, Any]:
@@ -706,6 +732,7 @@ def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any
         dtype=resolve_dtype(cfg.model.dtype, default_device(cfg.model.device)),
         device=cfg.model.device,
         max_batch_size=max(cfg.rollout.concurrency, 1),
+        max_context=cfg.model.max_context,
     )
     engine = RayEngine.start(spec)
     return engine, RayRunner(engine, model_path, **runner_kwargs)

@@ -254,7 +254,22 @@ def test_bad_input_gets_clear_4xx_never_500(scripted):
         ),
         (httpx.get(f"{url}/sessions/{a['id']}/trajectory"), 401, "missing API key"),
         (httpx.get(f"{url}/sessions/{a['id']}/trajectory", headers=kb), 403, "another session"),
-        (httpx.get(f"{url}/sessions/sess-nope/trajectory", headers=ka), 404, "no session"),
+        # a session key learns nothing about other sessions: 403 whether or not they exist
+        (httpx.get(f"{url}/sessions/sess-nope/trajectory", headers=ka), 403, "another session"),
+        (
+            httpx.get(
+                f"{url}/sessions/{a['id']}/trajectory", headers={"Authorization": "Bearer x"}
+            ),
+            401,
+            "invalid API key",
+        ),
+        (
+            httpx.get(
+                f"{url}/sessions/sess-nope/trajectory", headers={"Authorization": "Bearer x"}
+            ),
+            401,
+            "invalid API key",
+        ),
         (
             httpx.post(f"{url}/sessions/{a['id']}/rewards", json={"value": "x"}, headers=ka),
             400,

@@ -278,3 +278,14 @@ def test_default_ids_are_random_hex():
 def test_non_string_input_is_a_type_error():
     with pytest.raises(TypeError, match="expected the generated text as str"):
         parse_tool_calls(None)  # type: ignore[arg-type]
+
+
+def test_a_model_that_nests_json_too_deeply_gets_a_parse_error_not_a_crash():
+    deep = "[" * 5000 + "]" * 5000
+    for text in (
+        f'<tool_call>\n{{"name": "f", "arguments": {deep}}}\n</tool_call>',
+        f'<tool_call>\n{{"name": "f", "arguments": "{deep}"}}\n</tool_call>',
+    ):
+        parsed = parse_tool_calls(text, tool_names=["f"])
+        assert parsed.tool_calls == [] and "nested too deeply" in parsed.errors[0]
+    assert parse_tool_calls(deep, tool_names=["f"]).tool_calls == []

@@ -102,6 +102,19 @@ def test_an_agents_sdk_agent_is_trained_in_process(tiny_model_dir, tmp_path):
     assert all(c.agent == "solver" for r in seen for c in r.episode.completions)
     ledger = [json.loads(x) for x in (out / "groups.jsonl").read_text().splitlines()]
     assert all(row["masked"] == [] and row["completions"] for row in ledger)
+    from dataclasses import asdict
+
+    from areal_agents.store import EpisodeStore
+
+    store = EpisodeStore(out / "episodes.db")  # the run's store holds every episode exactly
+    assert not store.session_ids(ended=False)
+    for r in seen:
+        kept = store.load(r.episode.session_id)
+        assert kept is not None and kept.episode.end_reason == r.end_reason
+        assert [asdict(c) for c in kept.episode.completions] == [
+            asdict(c) for c in r.episode.completions
+        ]
+    store.close()
     for r in seen:
         first = r.episode.completions[0]
         # the SDK's own request: the agent's instructions first, its tool offered
