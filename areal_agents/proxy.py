@@ -598,8 +598,10 @@ class Proxy:
                 reply.body, include_usage, before_done=lambda: self._commit_before_done(reply)
             )
             return StreamingResponse(events, media_type="text/event-stream")
-        await self.commit(reply)
-        return JSONResponse(reply.body)
+        self.record(reply)
+        answer = JSONResponse(reply.body)  # encoded while the store commits
+        await self._sync_store()
+        return answer
 
     async def responses(self, request: Request) -> Response:
         from .responses import ResponsesRequest, respond  # responses.py builds on this module

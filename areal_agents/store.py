@@ -232,8 +232,16 @@ class EpisodeStore:
     async def flush(self) -> None:
         """Wait until everything submitted so far is committed (raises if it failed)."""
         last = self._last
-        if last is not None:  # shielded: a cancelled waiter must not cancel the write
-            await asyncio.shield(asyncio.wrap_future(last))
+        if last is None or (last.done() and last.exception() is None):
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def wake(fut: concurrent.futures.Future[Any]) -> None:  # in the writer's thread
+            loop.call_soon_threadsafe(_copy_outcome, fut, done)
+
+        last.add_done_callback(wake)  # a waiter that is cancelled never cancels the write
+        await done
 
     def flush_sync(self, timeout: float | None = 60.0) -> None:
         last = self._last
@@ -364,16 +372,17 @@ class EpisodeStore:
         }
         return self.submit((INSERT_RESPONSE, row))
 
-    def put_task(self, task_id: str, **values: Any) -> concurrent.futures.Future[Any]:
-        """Insert or update a worker task's row (``state`` and times as they change)."""
+    def put_task(self, wtask_id: str, /, **values: Any) -> concurrent.futures.Future[Any]:
+        """Insert or update the row of worker task ``wtask_id`` (its ``state``, times, the
+        episode's ``session_id``, ``task_id`` and ``group_id`` as they become known)."""
         created = values.pop("created_at", None)
 
         def op(conn: Connection) -> None:
             done = conn.execute(
-                worker_tasks.update().where(worker_tasks.c.id == task_id).values(**values)
+                worker_tasks.update().where(worker_tasks.c.id == wtask_id).values(**values)
             )
             if done.rowcount == 0:
-                row = {"id": task_id, "created_at": created or time.time(), **values}
+                row = {"id": wtask_id, "created_at": created or time.time(), **values}
                 conn.execute(worker_tasks.insert(), row)
 
         return self.submit(op)
@@ -577,6 +586,16 @@ def _completion_row(
         "reward": completion.reward,
         "agent": completion.agent,
     }
+
+
+def _copy_outcome(source: concurrent.futures.Future[Any], target: asyncio.Future[None]) -> None:
+    if target.done():  # its waiter was cancelled
+        return
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(None)
 
 
 def _settle(

@@ -201,16 +201,16 @@ class WorkerHub:
         if self._closed:
             raise AgentLost("the worker hub is closed: no worker can take this episode")
         handle = _Handle("wtask-" + uuid.uuid4().hex[:16], task, asyncio.get_running_loop())
+        self._persist(
+            handle,
+            session_id=task.session_id,
+            task_id=task.task_id,
+            group_id=task.group_id,
+            created_at=time.time(),
+        )
         with self._lock:
             self._queue[handle.id] = handle
             self.counters["enqueued"] += 1
-            self._persist(
-                handle,
-                session_id=task.session_id,
-                task_id=task.task_id,
-                group_id=task.group_id,
-                created_at=time.time(),
-            )
         self._wake_pollers()
         return handle
 

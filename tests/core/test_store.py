@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import signal
 import subprocess
 import sys
@@ -133,22 +132,23 @@ def _long_episode(store: EpisodeStore | None, turns: int):
     return session
 
 
-def test_long_episodes_are_stored_and_read_in_linear_size(tmp_path: Path) -> None:
+def test_long_episodes_are_stored_and_read_in_linear_size(store_url: str) -> None:
     """Stored bytes and the delta trajectory grow linearly with the turns (a quadratic store
     would grow 16x from 100 to 400 turns, a linear one 4x), and read back exactly."""
     sizes, reads = {}, {}
+    store = EpisodeStore(store_url)
     for turns in (100, 400):
-        store = EpisodeStore(tmp_path / f"long{turns}.db")
+        before = store.size()["delta_bytes"]
         session = _long_episode(store, turns)
         store.flush_sync()
-        sizes[turns] = store.size()["delta_bytes"]
+        sizes[turns] = store.size()["delta_bytes"] - before
         loaded = store.load(session.id)
         assert loaded is not None
         _same_episode(loaded.episode, session.episode)
         delta = session.episode.to_dict(prompts="delta")
         reads[turns] = len(str(delta))
         _same_episode(episode_from_dict(delta), session.episode)
-        store.close()
+    store.close()
     assert 3.0 < sizes[400] / sizes[100] < 5.0, sizes
     assert 3.0 < reads[400] / reads[100] < 5.0, reads
     full = len(str(session.episode.to_dict()))
@@ -254,8 +254,8 @@ def test_serve_restarted_on_its_store_keeps_every_session(tmp_path: Path) -> Non
         proc.wait()
 
 
-def test_idle_sessions_expire_and_stay_in_the_store(tmp_path: Path, tok) -> None:
-    store = EpisodeStore(tmp_path / "idle.db")
+def test_idle_sessions_expire_and_stay_in_the_store(store_url: str, tok) -> None:
+    store = EpisodeStore(store_url)
     proxy = Proxy(FakeEngine(_echo(tok)), tok, store=store, session_idle_s=0.3)
     with ProxyServer.start(proxy) as srv:
         idle = httpx.post(f"{srv.url}/sessions").json()
@@ -270,7 +270,7 @@ def test_idle_sessions_expire_and_stay_in_the_store(tmp_path: Path, tok) -> None
         assert summary["ended"] and summary["end_reason"] == "expired"
         assert proxy.counters["sessions_expired"] >= 1
     store.close()
-    kept = EpisodeStore(tmp_path / "idle.db")
+    kept = EpisodeStore(store_url)
     loaded = kept.load(idle["id"])
     assert loaded is not None and loaded.episode.end_reason == "expired"
     kept.close()
@@ -349,9 +349,8 @@ def test_admin_key_gets_404_for_an_unknown_session(tok) -> None:
         assert r.status_code == 404
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs a POSIX system")
-def test_responses_chains_survive_a_restart(tmp_path: Path) -> None:
-    db = str(tmp_path / "resp.db")
+def test_responses_chains_survive_a_restart(store_url: str) -> None:
+    db = store_url
     port = free_port()
     proc = _serve(db, port)
     try:

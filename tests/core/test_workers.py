@@ -83,9 +83,11 @@ class Trainer:
 
 @contextlib.contextmanager
 def trainer(
-    tok: ChatTokenizer, *, runner_timeout_s: float = 30.0, **hub_kwargs: Any
+    tok: ChatTokenizer, *, runner_timeout_s: float = 30.0, store: Any = None, **hub_kwargs: Any
 ) -> Iterator[Trainer]:
-    proxy = Proxy(FakeEngine(solver(tok)), tok, self_rewarding=False, admin_key="admin-key")
+    proxy = Proxy(
+        FakeEngine(solver(tok)), tok, self_rewarding=False, admin_key="admin-key", store=store
+    )
     hub = WorkerHub(proxy, TOKEN, **hub_kwargs)
     with ProxyServer.start(proxy) as server:
         runner = Runner(proxy, base_url=server.base_url, episode_timeout_s=runner_timeout_s)
@@ -184,6 +186,27 @@ async def test_full_episode_through_a_worker_is_scored_by_the_env(tok):
         assert t.hub.in_flight == t.hub.queued == 0
         assert os.environ["OPENAI_AGENTS_DISABLE_TRACING"] == "1"
     assert no_tasks_left()
+
+
+async def test_worker_tasks_and_their_episodes_are_written_to_the_store(tok, tmp_path):
+    from areal_agents.store import EpisodeStore
+
+    store = EpisodeStore(tmp_path / "episodes.db")
+    with trainer(tok, store=store) as t:
+        worker = AgentWorker(t.server.url, TOKEN, wait_s=2, worker_id="w-1")
+        res, _ = await asyncio.gather(
+            t.runner.run_episode(make_calc, seed=5, agent=t.hub.remote_agent),
+            worker.serve(calculator_agent, max_tasks=1),
+        )
+        assert res.end_reason == "terminated", res.error
+    await store.flush()
+    (row,) = store.tasks()
+    assert row["state"] == "done" and row["worker_id"] == "w-1"
+    assert row["session_id"] == res.episode.session_id and row["task_id"] == res.episode.task_id
+    assert row["handed_at"] and row["finished_at"] >= row["handed_at"]
+    kept = store.load(res.episode.session_id)
+    assert kept is not None and len(kept.episode.completions) == 2
+    store.close()
 
 
 async def test_group_with_concurrent_worker_and_sync_agent(tok):
