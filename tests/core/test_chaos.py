@@ -57,6 +57,7 @@ class Client:
         self.marker = f"client-{number}-{uuid.uuid4().hex[:8]}"
         self.delivered: list[str] = []
         self.attempts = 0
+        self.transport_errors = 0
         self.session: dict = {}
 
     async def run(self, http: httpx.AsyncClient, url: str) -> None:
@@ -68,9 +69,18 @@ class Client:
             if turn == 2 and self.kind != "plain":
                 self.attempts += 1
                 await self._abandon(http, url, body, auth)
-            self.attempts += 1
             stream = turn == 3 and self.number % 2 == 0
-            reply_id, message = await self._call(http, url, {**body, "stream": stream}, auth)
+            for _ in range(3):
+                self.attempts += 1
+                try:
+                    reply_id, message = await self._call(
+                        http, url, {**body, "stream": stream}, auth
+                    )
+                    break
+                except httpx.TransportError:  # a connection the loaded server closed: retry
+                    self.transport_errors += 1
+            else:
+                raise AssertionError(f"{self.marker}: three transport errors in a row")
             self.delivered.append(reply_id)
             messages = [
                 *messages,
@@ -124,7 +134,11 @@ async def _load(url: str) -> tuple[list[Client], list[float]]:
                 latencies.append(time.perf_counter() - t)
                 await asyncio.sleep(0.05)
 
-    limits = httpx.Limits(max_connections=SESSIONS + 50, max_keepalive_connections=SESSIONS)
+    # idle connections are dropped before the server's keep-alive timeout (5 s) can close them
+    # under a request
+    limits = httpx.Limits(
+        max_connections=SESSIONS + 50, max_keepalive_connections=SESSIONS, keepalive_expiry=2.0
+    )
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         watcher = asyncio.ensure_future(watch_health())
         try:
@@ -168,7 +182,8 @@ def test_chaos_then_kill_9_and_restart_loses_and_doubles_nothing(store_url: str)
         print(
             f"\nhealth p99 {p99 * 1000:.0f} ms over {len(latencies)} probes; restart "
             f"{restart_s:.1f} s; abandoned calls recorded anyway: {abandoned_recorded} of "
-            f"{sum(c.kind != 'plain' for c in clients)}"
+            f"{sum(c.kind != 'plain' for c in clients)}; transport errors retried: "
+            f"{sum(c.transport_errors for c in clients)}"
         )
     finally:
         proc.send_signal(signal.SIGKILL)
