@@ -412,14 +412,10 @@ def build_samples(
 ) -> tuple[list[TrainingSample], list[dict[str, Any]]]:
     """Build training samples, merging only children that extend their parent exactly."""
     rets = episode.returns(gamma)
-    kids = episode.children()
-    by_id = {c.id: c for c in episode.completions}
     samples: list[TrainingSample] = []
     owner: dict[str, int] = {}  # completion id -> index of its sample
-    merges: list[dict[str, Any]] = []
-    for c in episode.completions:
-        decision = _merge_decision(c, by_id, kids, samples, owner)
-        merges.append(decision)
+    merges = merge_decisions(episode)
+    for c, decision in zip(episode.completions, merges, strict=True):
         if decision["merged"]:
             s = samples[owner[c.parent_id]]  # type: ignore[index]
             gap = c.prompt_ids[len(s.input_ids) :]
@@ -463,44 +459,14 @@ def merge_decisions(episode: Episode) -> list[dict[str, Any]]:
         n = len(p.prompt_ids) + len(p.output_ids)
         known = episode.bases.get(c.id)
         if known is not None and known.index == index[p.id] and known.tokens == n:
-            extends = True
-        else:
-            extends = len(c.prompt_ids) >= n and c.prompt_ids[:n] == p.prompt_ids + p.output_ids
-        if extends:
+            out.append({"merged": True, "reason": "token_prefix"})
+            continue
+        shared = _shared_prefix(c.prompt_ids, p.prompt_ids + p.output_ids)
+        if shared == n:
             out.append({"merged": True, "reason": "token_prefix"})
         else:
-            prefix = p.prompt_ids + p.output_ids
-            out.append(
-                {
-                    "merged": False,
-                    "reason": "token_mismatch",
-                    "position": _shared_prefix(c.prompt_ids, prefix),
-                }
-            )
+            out.append({"merged": False, "reason": "token_mismatch", "position": shared})
     return out
-
-
-def _merge_decision(
-    c: Completion,
-    by_id: dict[str, Completion],
-    kids: dict[str, list[str]],
-    samples: list[TrainingSample],
-    owner: dict[str, int],
-) -> dict[str, Any]:
-    if c.parent_id is None:
-        return {"merged": False, "reason": "root"}
-    siblings = len(kids[c.parent_id])
-    if siblings > 1:
-        return {"merged": False, "reason": "parent_has_several_children", "children": siblings}
-    sample = samples[owner[c.parent_id]]
-    prefix = sample.input_ids
-    if c.prompt_ids[: len(prefix)] == prefix and len(c.prompt_ids) >= len(prefix):
-        return {"merged": True, "reason": "token_prefix"}
-    mismatch = next(
-        (i for i, (a, b) in enumerate(zip(prefix, c.prompt_ids, strict=False)) if a != b),
-        min(len(prefix), len(c.prompt_ids)),
-    )
-    return {"merged": False, "reason": "token_mismatch", "position": mismatch}
 
 
 def _extend_masked(s: TrainingSample, ids: list[int]) -> None:
