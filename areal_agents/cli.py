@@ -127,6 +127,12 @@ def _build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     tr.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="trainer ranks (FSDP2 on torch.distributed); the same as train.nproc=N",
+    )
     tr.set_defaults(func=_train)
 
     dm = sub.add_parser("demos", help="write demonstrations of an env for a warm start (sft)")
@@ -569,7 +575,10 @@ def _load_agent(spec: str, kwargs_json: str = "{}", max_turns: int | None = None
 def _train(args: argparse.Namespace) -> int:
     from trainer.config import format_config, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.nproc is not None:
+        overrides.append(f"train.nproc={args.nproc}")
+    cfg = load_config(args.config, overrides)
     if args.dry_run:
         print(format_config(cfg))
         return 0

@@ -17,7 +17,7 @@ from areal_agents.trajectory import Completion, Episode, TrainingSample
 from .advantage import completion_returns
 from .algorithms import AlgorithmSpec, OverlongSpec
 from .config import TrainConfig
-from .critic import GaeInputs, ValueLossFn, critic_targets, gae_inputs, value_loss_fn
+from .critic import GaeInputs, ValueLoss, critic_targets, gae_inputs
 
 
 @dataclass
@@ -40,11 +40,42 @@ class Batch:
     """Per sample, the index of each token's completion within it (-1: not sampled)."""
     episode_ids: list[str] = dataclasses.field(default_factory=list)
     """Per sample, the episode it comes from."""
+    group_ids: list[str] = dataclasses.field(default_factory=list)
+    """Per sample, its episode's group (the unit trainer ranks split the batch by)."""
     temps: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Per sample, over tokens 1..n-1, the temperature each token was sampled with (its
     completion's recorded ``sampling.temperature``; 1 where not sampled). The trainer scores
     every token at it, so an agent that sets its own temperature, or calls at several, keeps
     the behaviour and current logprobs on one scale."""
+
+    def select(self, idx: list[int]) -> Batch:
+        """The samples ``idx`` (in that order) with everything computed over the whole
+        batch kept as it is: advantages, loss weights, proximal, reference and critic
+        values (GAE inputs, already used, are dropped)."""
+
+        def pick(xs: list[Any] | None) -> list[Any] | None:
+            return None if xs is None else [xs[i] for i in idx]
+
+        def some(xs: list[Any]) -> list[Any]:
+            return [xs[i] for i in idx] if xs else []
+
+        return Batch(
+            seqs=some(self.seqs),
+            mask=some(self.mask),
+            behav=some(self.behav),
+            versions=some(self.versions),
+            adv=some(self.adv),
+            weights=some(self.weights),
+            segments=some(self.segments),
+            prox=pick(self.prox),
+            old_values=pick(self.old_values),
+            returns=pick(self.returns),
+            ref=pick(self.ref),
+            completions=some(self.completions),
+            episode_ids=some(self.episode_ids),
+            group_ids=some(self.group_ids),
+            temps=some(self.temps),
+        )
 
 
 def build_batch(
@@ -76,7 +107,7 @@ def build_batch(
     else:
         adv = spec.advantage.group(rows.returns, rows.group_ids, rows.episode_ids, rows.roots)
     adv_of = dict(zip(rows.completion_ids, adv.tolist(), strict=True))
-    seqs, tcs, sample_eps = [], [], []
+    seqs, tcs, sample_eps, sample_groups = [], [], [], []
     out = Batch([], [], [], [], [], [], [], gae=GaeInputs() if spec.needs_critic else None)
     merged = eligible = 0
     trained = set(trained_agents)
@@ -96,6 +127,7 @@ def build_batch(
             seqs.append(s.input_ids)
             tcs.append(s.token_completion[1:])
             sample_eps.append(ep.session_id)
+            sample_groups.append(ep.group_id or ep.session_id)
             tok_adv = [
                 adv_of[s.completion_ids[k]] if k >= 0 else 0.0 for k in s.token_completion[1:]
             ]
@@ -116,6 +148,7 @@ def build_batch(
     out.seqs = seqs
     out.completions = [torch.tensor(t) for t in tcs]
     out.episode_ids = sample_eps
+    out.group_ids = sample_groups
     out.weights = _loss_weights(out, spec, max_tokens)
     stats = {
         "adv_mean": float(adv.mean()),
@@ -173,27 +206,7 @@ def split_batch(batch: Batch, n: int, spec: AlgorithmSpec, max_tokens: int) -> l
     part = {e: k * n // len(order) for k, e in enumerate(order)}
     out = []
     for j in range(n):
-        idx = [i for i, e in enumerate(batch.episode_ids) if part[e] == j]
-
-        def pick(xs: list[Any] | None, idx: list[int] = idx) -> list[Any] | None:
-            return None if xs is None else [xs[i] for i in idx]
-
-        mb = Batch(
-            seqs=[batch.seqs[i] for i in idx],
-            mask=[batch.mask[i] for i in idx],
-            behav=[batch.behav[i] for i in idx],
-            versions=[batch.versions[i] for i in idx],
-            adv=[batch.adv[i] for i in idx],
-            weights=[],
-            segments=[batch.segments[i] for i in idx],
-            prox=pick(batch.prox),
-            old_values=pick(batch.old_values),
-            returns=pick(batch.returns),
-            ref=pick(batch.ref),
-            completions=[batch.completions[i] for i in idx],
-            episode_ids=[batch.episode_ids[i] for i in idx],
-            temps=[batch.temps[i] for i in idx] if batch.temps else [],
-        )
+        mb = batch.select([i for i, e in enumerate(batch.episode_ids) if part[e] == j])
         mb.weights = _loss_weights(mb, spec, max_tokens)
         out.append(mb)
     return out
@@ -239,10 +252,12 @@ def add_gae(batch: Batch, values: list[torch.Tensor], spec: AlgorithmSpec) -> di
     return stats
 
 
-def make_value_loss_fn(batch: Batch, spec: AlgorithmSpec) -> ValueLossFn:
+def make_value_loss_fn(batch: Batch, spec: AlgorithmSpec) -> ValueLoss:
     """The callback ``Critic.train_step`` calls for each micro-batch (after ``add_gae``)."""
     assert batch.old_values is not None and batch.returns is not None, "call add_gae first"
-    return value_loss_fn(spec.loss, batch.old_values, batch.returns, batch.mask, batch.weights)
+    return ValueLoss(
+        spec.loss, batch.old_values, batch.returns, batch.mask, batch.weights, batch.group_ids
+    )
 
 
 def _pad(xs: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
@@ -253,12 +268,35 @@ ADDITIVE_STATS = frozenset({"loss", "policy_loss"})
 """Policy-loss stats that are already batch-weighted sums (the rest are per-token means)."""
 
 
-def make_loss_fn(batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int) -> Any:
+def make_loss_fn(batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int) -> BatchLoss:
     """The callback ``Policy.train_step`` calls for each micro-batch."""
+    return BatchLoss(batch, spec, cfg, version)
 
-    def loss_fn(
-        items: list[int], logps: list[torch.Tensor], ents: list[torch.Tensor]
+
+@dataclass
+class BatchLoss:
+    """The policy loss of ``batch``'s samples as the ``Policy.train_step`` callback:
+    ``(item indices, per-item logprobs, per-item entropies) -> (loss, stats)``. A plain
+    object (not a closure), so that :meth:`select` can send a trainer rank its part."""
+
+    batch: Batch
+    spec: AlgorithmSpec
+    cfg: TrainConfig
+    version: int
+
+    @property
+    def group_ids(self) -> list[str]:
+        return self.batch.group_ids
+
+    def select(self, idx: list[int]) -> BatchLoss:
+        """The loss of samples ``idx`` only, with the whole batch's weights and advantages
+        (items then index ``idx``)."""
+        return BatchLoss(self.batch.select(idx), self.spec, self.cfg, self.version)
+
+    def __call__(
+        self, items: list[int], logps: list[torch.Tensor], ents: list[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        batch, spec, cfg, version = self.batch, self.spec, self.cfg, self.version
         logp = _pad(logps)
         dev = logp.device  # the batch lives on the CPU; the policy may not
 
@@ -299,5 +337,3 @@ def make_loss_fn(batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: i
         stats["entropy_sum"] = float((_pad(ents) * mask).sum())
         stats["tokens"] = n
         return loss, stats
-
-    return loss_fn

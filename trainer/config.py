@@ -370,9 +370,39 @@ class RunConfig(_Checked):
     limit, run ``steps`` steps."""
     resume: bool = False
     """Continue from the latest checkpoint in output_dir."""
+    nproc: int = 1
+    """Trainer ranks: data-parallel FSDP2 ranks on ``torch.distributed`` (started by its
+    elastic agent on this machine, or as Ray actors with ``scheduler: ray``). Each step's
+    groups are split across them, and they compute the step that one process would."""
+    fsdp: bool | None = None
+    """Shard the policy (and critic) with FSDP2; None = when ``nproc > 1``. True with one
+    rank lets a single device use ``cpu_offload``."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in CPU memory between uses
+    (FSDP2's ``CPUOffloadPolicy``): less device memory, more host transfers."""
+    collective_timeout_s: float = 600.0
+    """How long a trainer rank waits in one collective before it gives up (a peer died or
+    hangs); the run then ends with an error naming the rank."""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the trainer runs FSDP2 ranks (``fsdp``, default: ``nproc > 1``)."""
+        return self.nproc > 1 if self.fsdp is None else self.fsdp
 
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
         return (
+            ("nproc", self.nproc >= 1, ">= 1"),
+            (
+                "fsdp",
+                self.fsdp is not False or self.nproc == 1,
+                "true or null with nproc > 1 (several ranks shard the model)",
+            ),
+            (
+                "cpu_offload",
+                not self.cpu_offload or self.sharded,
+                "false unless the trainer is sharded (set train.fsdp=true)",
+            ),
+            ("collective_timeout_s", self.collective_timeout_s > 0, "> 0"),
             ("micro_batch_tokens", self.micro_batch_tokens >= 1, ">= 1"),
             ("minibatches", self.minibatches >= 1, ">= 1 (1 = one update per step)"),
             ("steps", self.steps >= 1, ">= 1"),
@@ -607,6 +637,17 @@ class TrainConfig(_Checked):
             out.append(
                 f"rollout.agents: {agents} workers connect to this process's worker API; "
                 "use scheduler=local with them (the workers themselves may run anywhere)"
+            )
+        if self.train.sharded and self.sft.enabled:
+            out.append(
+                "sft.enabled: the warm start runs in one process; run it with train.nproc=1 "
+                "and train.steps=1 first, then resume that run (--resume) with "
+                f"train.nproc={self.train.nproc}"
+            )
+        if self.train.sharded and self.scheduler == "ray":
+            out.append(
+                "train.nproc: sharded trainer ranks start on this machine (scheduler: local); "
+                "with scheduler: ray set train.nproc=1 and train.fsdp=false"
             )
         total = self.optim.total_steps or self.train.steps
         if self.optim.warmup_steps > total:

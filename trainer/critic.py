@@ -29,8 +29,12 @@ Choices made:
 * The critic's rate ``critic.lr`` follows the policy's schedule (``optim.schedule``, its
   warmup and decay; :mod:`trainer.schedule`) with ``critic.lr`` as its peak.
 * ``save`` / ``load`` keep the trained tensors (the whole model, or the adapters and the
-  head), the optimizer state and the schedule's position; a checkpoint of the wrong shape
-  is refused by name.
+  head) and the optimizer state (``dcp/``, ``torch.distributed.checkpoint``: any number of
+  ranks reads it) and the schedule's position; a checkpoint of the wrong shape is refused
+  by name.
+* ``sharded``: one FSDP2 rank of several, as the policy (:mod:`trainer.fsdp`): the backbone's
+  layers and the root are sharded, gradients summed over ranks, and ranks with fewer
+  micro-batches run dummies.
 
 Left out: a value head sharing the policy's backbone, value-model warm-up before PPO,
 several critic epochs per batch.
@@ -50,6 +54,7 @@ import torch
 from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device
 
+from . import fsdp
 from .advantage import tree_gae, whiten
 from .loss import explained_variance
 from .policy import Packed, load_schedule, make_packed, pack, step_scheduler
@@ -62,6 +67,22 @@ if TYPE_CHECKING:
 
 ValueLossFn = Callable[[list[int], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 """(item indices, per-item token values [len-1]) -> (loss, stats)."""
+
+
+class ValueModel(torch.nn.Module):
+    """``backbone`` (hidden states) then ``head`` (a scalar per token, float32)."""
+
+    def __init__(self, backbone: torch.nn.Module, head: torch.nn.Linear) -> None:
+        super().__init__()
+        self.backbone, self.head = backbone, head
+
+    def __getitem__(self, name: str) -> torch.nn.Module:
+        return getattr(self, name)  # type: ignore[no-any-return]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Values [T] of one packed row ``input_ids`` [1, T]."""
+        out = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return self.head(out.last_hidden_state[0].float()).squeeze(-1)  # type: ignore[no-any-return]
 
 
 class Critic:
@@ -81,13 +102,20 @@ class Critic:
         grad_clip: float = 1.0,
         compute_lock: Any = None,
         schedule: LrSchedule | None = None,
+        sharded: bool = False,
+        cpu_offload: bool = False,
     ) -> None:
         """``schedule``: the policy's learning-rate schedule shape (warmup, decay) with peak
-        ``lr``, advanced by :meth:`step_schedule` once per training step."""
+        ``lr``, advanced by :meth:`step_schedule` once per training step. ``sharded`` and
+        ``cpu_offload`` as for ``Policy``."""
         from transformers import AutoModel
 
         self.device = torch.device(default_device(device))
-        backbone = AutoModel.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.sharded = sharded
+        load_dtype, compute = getattr(torch, dtype), None
+        if sharded and self.device.type == "cuda" and load_dtype != torch.float32:
+            load_dtype, compute = torch.float32, load_dtype
+        backbone = AutoModel.from_pretrained(model_path, dtype=load_dtype)
         hidden = int(backbone.config.hidden_size)
         if lora:
             from peft import LoraConfig, get_peft_model
@@ -95,13 +123,27 @@ class Critic:
             config = LoraConfig(task_type="FEATURE_EXTRACTION", **lora)
             backbone = get_peft_model(backbone, config)
         if activation_checkpointing:
-            backbone.gradient_checkpointing_enable()
+            backbone.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False} if sharded else None
+            )
             if lora:
                 backbone.enable_input_require_grads()
         head = torch.nn.Linear(hidden, 1, dtype=torch.float32)
         torch.nn.init.normal_(head.weight, std=1.0 / (hidden + 1))
         torch.nn.init.zeros_(head.bias)
-        self.model = torch.nn.ModuleDict({"backbone": backbone, "head": head}).to(self.device)
+        model = ValueModel(backbone, head)
+        if sharded:
+            model = model.to("cpu" if cpu_offload else self.device)
+            random = [
+                p
+                for n, p in model.named_parameters()
+                if p.requires_grad and (lora or n.startswith("head."))
+            ]
+            fsdp.broadcast_from_rank0(random)  # the head and adapters start equal everywhere
+            fsdp.shard(model, compute_dtype=compute, cpu_offload=cpu_offload)
+            self.model = model
+        else:
+            self.model = model.to(self.device)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(
             list(self.params.values()), lr=lr, weight_decay=weight_decay, betas=betas
@@ -112,10 +154,7 @@ class Critic:
         self._compute = compute_lock or contextlib.nullcontext()
 
     def _forward(self, packed: Packed) -> torch.Tensor:
-        out = self.model["backbone"](
-            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
-        )
-        return self.model["head"](out.last_hidden_state[0].float()).squeeze(-1)
+        return self.model(packed.input_ids, packed.position_ids)
 
     @torch.no_grad()
     def values(
@@ -125,14 +164,26 @@ class Critic:
         was_training = self.model.training
         self.model.eval()
         out: list[torch.Tensor] = [torch.zeros(0)] * len(seqs)
-        for group in pack([len(s) for s in seqs], micro_batch_tokens):
-            packed = make_packed(seqs, group, self.device)
+        for packed in self._packs(seqs, micro_batch_tokens):
             with self._compute:
-                v = self._forward(packed)
-            for i, s, e in packed.spans:
+                v = self._forward(packed or self._dummy())
+            for i, s, e in packed.spans if packed is not None else ():
                 out[i] = v[s : e - 1].cpu()
         self.model.train(was_training)
         return out
+
+    def _packs(self, seqs: Sequence[Sequence[int]], micro_batch_tokens: int) -> list[Packed | None]:
+        """The micro-batches of ``seqs``; sharded, padded with ``None`` (dummies) to the
+        largest count of any rank."""
+        packs: list[Packed | None] = [
+            make_packed(seqs, group, self.device)
+            for group in pack([len(s) for s in seqs], micro_batch_tokens)
+        ]
+        n = fsdp.max_over_ranks(len(packs)) if self.sharded else len(packs)
+        return [*packs, *[None] * (n - len(packs))]
+
+    def _dummy(self) -> Packed:
+        return make_packed([[0, 0]], [0], self.device)
 
     def train_step(
         self, seqs: Sequence[Sequence[int]], loss_fn: ValueLossFn, micro_batch_tokens: int = 4096
@@ -141,20 +192,25 @@ class Critic:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for group in pack([len(s) for s in seqs], micro_batch_tokens):
-            packed = make_packed(seqs, group, self.device)
+        for packed in self._packs(seqs, micro_batch_tokens):
             with self._compute:
+                if packed is None:  # enters the collectives; adds nothing to the gradient
+                    (self._forward(self._dummy()).sum() * 0.0).backward()
+                    continue
                 v = self._forward(packed)
                 items = [i for i, _, _ in packed.spans]
                 loss, stats = loss_fn(items, [v[s : e - 1] for _, s, e in packed.spans])
                 loss.backward()
             for k, x in stats.items():
                 totals[k] = totals.get(k, 0.0) + float(x)
+        if self.sharded:
+            totals = fsdp.sum_over_ranks(totals)
         with self._compute:
-            norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.grad_clip)
-            if math.isfinite(float(norm)):
+            grads = list(self.params.values())
+            norm = float(fsdp.full_value(torch.nn.utils.clip_grad_norm_(grads, self.grad_clip)))
+            if math.isfinite(norm):
                 self.optimizer.step()
-        totals["value_grad_norm"] = float(norm)
+        totals["value_grad_norm"] = norm
         return totals
 
     @property
@@ -168,25 +224,42 @@ class Critic:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str | Path) -> None:
-        """The trained tensors (``weights.safetensors``), optimizer and schedule state."""
-        from safetensors.torch import save_file
-
+        """The trained tensors and optimizer state (``dcp/``) and the schedule state."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        tensors = {n: p.detach().cpu().contiguous() for n, p in self.params.items()}
-        save_file(tensors, str(d / "weights.safetensors"))
-        torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
+        fsdp.save_state(self.model, self.optimizer, d / "dcp", trainable_only=True)
+        if fsdp.rank() == 0:
+            torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
 
     def load(self, directory: str | Path) -> None:
-        from safetensors.torch import load_file
-
         d = Path(directory)
-        if not (d / "weights.safetensors").exists():
+        if (d / "dcp").exists():
+            try:
+                fsdp.load_state(self.model, self.optimizer, d / "dcp", trainable_only=True)
+            except fsdp.CheckpointMismatch as exc:
+                raise ConfigError(
+                    f"the critic in {d} does not fit this run's critic ({exc}); resume with "
+                    "the model and model.lora it was written with, or set train.output_dir "
+                    "to a new directory"
+                ) from exc
+        elif (d / "weights.safetensors").exists() and not self.sharded:
+            self._load_tensors(d)
+        elif self.sharded and (d / "weights.safetensors").exists():
+            raise ConfigError(
+                f"{d} was written by an older version (no dcp/ directory), which sharded "
+                "ranks cannot read; resume it with train.nproc=1 first"
+            )
+        else:
             raise ConfigError(
                 f"{d.parent} has no critic; it was written by a run without one. Resume it "
                 "with the algorithm it was trained with, or set train.output_dir to a new one"
             )
+        load_schedule(self.scheduler, self.schedule, d / "scheduler.pt")
+
+    def _load_tensors(self, d: Path) -> None:
+        """A checkpoint of the older format: ``weights.safetensors`` and ``optimizer.pt``."""
+        from safetensors.torch import load_file
+
         tensors = load_file(str(d / "weights.safetensors"))
         if set(tensors) != set(self.params):
             missing = sorted(set(self.params) - set(tensors))
@@ -200,7 +273,6 @@ class Critic:
             for n, p in self.params.items():
                 p.copy_(tensors[n].to(p.device, p.dtype))
         self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=False))
-        load_schedule(self.scheduler, self.schedule, d / "scheduler.pt")
 
 
 # ---------------------------------------------------------------------------- GAE inputs
@@ -274,22 +346,42 @@ def critic_targets(
     return list(flat.split([m.numel() for m in masks])), ret, stats
 
 
-def value_loss_fn(
-    loss: LossSpec,
-    old_values: list[torch.Tensor],
-    returns: list[torch.Tensor],
-    masks: list[torch.Tensor],
-    weights: list[torch.Tensor],
-) -> ValueLossFn:
-    """The ``Critic.train_step`` callback: ``loss.value_loss`` (clipped by ``loss.value_clip``)
-    over a micro-batch, with the policy loss's per-token ``weights``."""
+@dataclass
+class ValueLoss:
+    """The ``Critic.train_step`` callback: ``loss.value_loss`` (clipped by
+    ``loss.value_clip``) over a micro-batch, with the policy loss's per-token ``weights``.
+    A plain object, so that :meth:`select` can send a trainer rank its part."""
 
-    def fn(items: list[int], values: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    loss: LossSpec
+    old_values: list[torch.Tensor]
+    returns: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    group_ids: list[str] = field(default_factory=list)
+
+    def select(self, idx: list[int]) -> ValueLoss:
+        """The loss of samples ``idx`` only (items then index ``idx``)."""
+
+        def pick(xs: list[Any]) -> list[Any]:
+            return [xs[i] for i in idx] if xs else []
+
+        return ValueLoss(
+            self.loss,
+            pick(self.old_values),
+            pick(self.returns),
+            pick(self.masks),
+            pick(self.weights),
+            pick(self.group_ids),
+        )
+
+    def __call__(
+        self, items: list[int], values: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         def pad(xs: list[torch.Tensor]) -> torch.Tensor:
             padded = torch.nn.utils.rnn.pad_sequence([xs[i] for i in items], batch_first=True)
             return padded.to(values[0].device)
 
         v = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
-        return loss.value_loss(v, pad(old_values), pad(returns), pad(masks), pad(weights))
-
-    return fn
+        return self.loss.value_loss(
+            v, pad(self.old_values), pad(self.returns), pad(self.masks), pad(self.weights)
+        )

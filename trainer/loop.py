@@ -28,8 +28,9 @@ Choices made:
   (:mod:`trainer.checkpoint`) stores the groups consumed so far; on resume, every
   started-but-unconsumed group is generated again and nothing consumed is used twice.
 
-Left out: sharded (multi-process) training of the policy: the trainer is one process on
-one device; rollouts and the engine scale out on Ray (``scheduler: ray``).
+* ``train.nproc > 1`` (or ``train.fsdp``): the policy and critic are FSDP2 ranks
+  (:mod:`trainer.distributed`); this loop runs on rank 0 unchanged, its policy and critic
+  then send each call to every rank with that rank's part of the batch.
 """
 
 from __future__ import annotations
@@ -88,7 +89,17 @@ ENGINE_COUNTERS = (
 class Trainer:
     """Owns the engine, the group source and the policy of one run."""
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> None:
+    def __init__(
+        self, cfg: TrainConfig, *, resume: bool = False, quiet: bool = False, ranks: Any = None
+    ) -> None:
+        """``ranks``: rank 0's command channel (``trainer.distributed.Ranks``) when the
+        trainer is sharded (``train.nproc > 1`` or ``train.fsdp``); ``train`` sets it up."""
+        if cfg.train.sharded and ranks is None:
+            raise ConfigError(
+                f"train.nproc={cfg.train.nproc} (fsdp={cfg.train.fsdp}): the ranks are started "
+                "by trainer.loop.train or areal-agent train, not by Trainer itself"
+            )
+        self.ranks = ranks
         self.cfg = cfg
         self.quiet = quiet
         self.spec = _algorithm(cfg)
@@ -113,45 +124,10 @@ class Trainer:
         _seed_everything(cfg.train.seed)
         self.model_path = resolve_model(cfg.model.path, quiet=self.quiet)
         self.tokenizer = ChatTokenizer.from_dir(self.model_path)
-        device = default_device(cfg.model.device)
-        # auto: bfloat16 only where it is native and the weights it holds are frozen (LoRA)
-        dtype = resolve_dtype(cfg.model.dtype, device, low_precision_ok=cfg.model.lora.enabled)
-        lora = None
-        if cfg.model.lora.enabled:
-            lora = {
-                "r": cfg.model.lora.r,
-                "lora_alpha": cfg.model.lora.alpha,
-                "lora_dropout": cfg.model.lora.dropout,
-                "target_modules": list(cfg.model.lora.target_modules),
-            }
         # On CPU the engine and the trainer share the cores: their forward passes take turns.
-        lock = FairLock() if device.startswith("cpu") else None
-        shared: dict[str, Any] = {  # the same for the policy and a critic
-            "dtype": dtype,
-            "device": cfg.model.device,
-            "lora": lora,
-            "activation_checkpointing": cfg.model.activation_checkpointing,
-            "weight_decay": cfg.optim.weight_decay,
-            "betas": tuple(cfg.optim.betas),
-            "grad_clip": cfg.optim.grad_clip or float("inf"),
-            "compute_lock": lock,
-            "schedule": lr_schedule(cfg),
-        }
-        self.policy = Policy(
-            self.model_path,
-            lr=cfg.optim.lr,
-            reference=self.spec.loss.kl_coef > 0,
-            share_prefixes=cfg.train.share_prefixes,
-            **shared,
-        )
-        self.critic: Critic | None = None
-        if self.spec.needs_critic:
-            path = cfg.critic.path
-            self.critic = Critic(
-                self.model_path if path is None else resolve_model(path, quiet=self.quiet),
-                lr=cfg.critic.lr,
-                **shared,
-            )
+        lock = FairLock() if default_device(cfg.model.device).startswith("cpu") else None
+        policy_kw, critic_kw = model_kwargs(cfg, self.spec, self.model_path, quiet=self.quiet)
+        self.policy, self.critic = self._models(policy_kw, critic_kw, lock)
         rollout = build_rollout(
             cfg,
             model_path=self.model_path,
@@ -165,6 +141,25 @@ class Trainer:
         self.engine, self.source = rollout.engine, rollout.source
         self.make_env = self.source.make_env
         self.seed_base = self.source.settings.seed_base
+
+    def _models(
+        self, policy_kw: dict[str, Any], critic_kw: dict[str, Any] | None, lock: Any
+    ) -> tuple[Any, Any]:
+        """The policy and the critic (None without one): in this process, or on every
+        trainer rank (``DistributedPolicy`` / ``DistributedCritic``)."""
+        critic: Any = None
+        if self.ranks is None:
+            if critic_kw is not None:
+                critic = Critic(**critic_kw, compute_lock=lock)
+            return Policy(**policy_kw, compute_lock=lock), critic
+        from .distributed import DistributedCritic, DistributedPolicy
+
+        offload = {"cpu_offload": self.cfg.train.cpu_offload}
+        policy = self.ranks.build("policy", "policy", {**policy_kw, **offload}, lock)
+        if critic_kw is not None:
+            local = self.ranks.build("critic", "critic", {**critic_kw, **offload}, lock)
+            critic = DistributedCritic(self.ranks, local)
+        return DistributedPolicy(self.ranks, policy), critic
 
     async def _start(self) -> None:
         """Resume from the latest checkpoint, or warm-start; then the engine gets the
@@ -321,10 +316,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 groups = await source.next_batch(cfg.rollout.batch_size)
                 t_wait = time.perf_counter() - t0
-                summary = await self._train_step(groups, st.step, t_wait, metrics, source.dropped)
-                self._consumed(groups)
-                await self.engine.update_weights(self.policy.weight_update(st.step))
-                await source.set_version(st.step)
+                summary = await self._train_step(groups, st.step, t_wait, source.dropped)
+                await self._publish(groups, summary, metrics)
                 recent.append(time.perf_counter() - t0)
                 stop = self._out_of_time(recent)
                 every = cfg.train.save_every
@@ -349,14 +342,23 @@ class Trainer:
         summary["final_model"] = str(final)
         return summary
 
+    async def _publish(
+        self, groups: list[Group], scalars: dict[str, Any], metrics: MetricsWriter
+    ) -> None:
+        """After a step: the ledger, the new weights to the engine (``weight_sync_s``: how
+        long that took), the step's metrics, then the source's new version."""
+        self._consumed(groups)
+        t0 = time.perf_counter()
+        await self.engine.update_weights(self.policy.weight_update(self.state.step))
+        scalars["weight_sync_s"] = time.perf_counter() - t0
+        metrics.log(self.state.step, scalars, {"staleness": scalars.pop("_staleness")})
+        await self.source.set_version(self.state.step)
+
     async def _train_step(
-        self,
-        got: list[Group],
-        version: int,
-        t_wait: float,
-        metrics: MetricsWriter,
-        dropped: Counter[str],
+        self, got: list[Group], version: int, t_wait: float, dropped: Counter[str]
     ) -> dict[str, Any]:
+        """Train on the groups ``got``; returns the step's metrics (its staleness histogram
+        under ``_staleness``, which ``_publish`` logs)."""
         cfg = self.cfg
         results = [r for _, eps in got for r in eps]
         episodes = [r.episode for r in results]
@@ -368,42 +370,15 @@ class Trainer:
             cfg.sampling.temperature,
             trained_agents=cfg.agent.train,
         )
-        temp = batch.temps  # each token at the temperature it was sampled with
         t0 = time.perf_counter()
-        if cfg.loss.proximal == "recompute":
-            batch.prox = await asyncio.to_thread(
-                self.policy.logprobs,
-                batch.seqs,
-                temp,
-                cfg.train.micro_batch_tokens,
-                batch.mask,
-            )
-        if self.spec.loss.kl_coef > 0:
-            batch.ref = await asyncio.to_thread(
-                self.policy.ref_logprobs,
-                batch.seqs,
-                temp,
-                cfg.train.micro_batch_tokens,
-                batch.mask,
-            )
-        if self.critic is not None:
-            values = await asyncio.to_thread(
-                self.critic.values, batch.seqs, cfg.train.micro_batch_tokens
-            )
-            bstats.update(add_gae(batch, values, self.spec))
         lrs = {"optim/lr": self.policy.lr}  # the rates of this step's updates
         if self.critic is not None:
             lrs["optim/critic_lr"] = self.critic.lr
-        stats = await asyncio.to_thread(policy_updates, self.policy, batch, self.spec, cfg, version)
+        stats = await asyncio.to_thread(
+            train_on_batch, self.policy, self.critic, batch, bstats, self.spec, cfg, version
+        )
         policy_keys = set(stats) - {"grad_norm", "micro_batches", "entropy_sum", "tokens"}
-        if self.critic is not None:
-            value_fn = make_value_loss_fn(batch, self.spec)
-            vstats = await asyncio.to_thread(
-                self.critic.train_step, batch.seqs, value_fn, cfg.train.micro_batch_tokens
-            )
-            stats.update(vstats)
-            bstats["value_loss"] = vstats["value_loss"]
-            self.critic.step_schedule()
+        policy_keys -= {k for k in stats if k.startswith("value_")}
         t_train = time.perf_counter() - t0
         tokens = stats.pop("tokens", 0.0) or 1.0
         stale = [
@@ -415,7 +390,7 @@ class Trainer:
         gen_tokens = sum(r.output_tokens for r in results)
         gen_time = max((r.duration_s for r in results), default=1.0)
         known = [bool(r.success) for r in results if r.success is not None]
-        scalars = {
+        scalars: dict[str, Any] = {
             "reward_mean": sum(r.reward for r in results) / len(results),
             # over the episodes that report success (self-rewarded sessions do not)
             **({"success_rate": sum(known) / len(known)} if known else {}),
@@ -441,7 +416,7 @@ class Trainer:
             **{f"dropped/{k}": float(v) for k, v in dropped.items()},
         }
         scalars.update(await self._engine_counters())
-        metrics.log(self.state.step + 1, scalars, {"staleness": [float(s) for s in stale]})
+        scalars["_staleness"] = [float(s) for s in stale]
         return scalars
 
     async def _engine_counters(self) -> dict[str, float]:
@@ -478,8 +453,78 @@ class Trainer:
         return out
 
 
+def model_kwargs(
+    cfg: TrainConfig, spec: AlgorithmSpec, model_path: str, *, quiet: bool = False
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The keyword arguments of the run's ``Policy`` and ``Critic`` (None without a critic):
+    the model, dtype, device, LoRA, optimizer and schedule settings of ``cfg``."""
+    device = default_device(cfg.model.device)
+    # auto: bfloat16 only where it is native and the weights it holds are frozen (LoRA)
+    dtype = resolve_dtype(cfg.model.dtype, device, low_precision_ok=cfg.model.lora.enabled)
+    lora = None
+    if cfg.model.lora.enabled:
+        lora = {
+            "r": cfg.model.lora.r,
+            "lora_alpha": cfg.model.lora.alpha,
+            "lora_dropout": cfg.model.lora.dropout,
+            "target_modules": list(cfg.model.lora.target_modules),
+        }
+    shared: dict[str, Any] = {  # the same for the policy and a critic
+        "dtype": dtype,
+        "device": cfg.model.device,
+        "lora": lora,
+        "activation_checkpointing": cfg.model.activation_checkpointing,
+        "weight_decay": cfg.optim.weight_decay,
+        "betas": tuple(cfg.optim.betas),
+        "grad_clip": cfg.optim.grad_clip or float("inf"),
+        "schedule": lr_schedule(cfg),
+    }
+    policy_kw = {
+        "model_path": model_path,
+        "lr": cfg.optim.lr,
+        "reference": spec.loss.kl_coef > 0,
+        "share_prefixes": cfg.train.share_prefixes,
+        **shared,
+    }
+    if not spec.needs_critic:
+        return policy_kw, None
+    path = cfg.critic.path
+    critic_path = model_path if path is None else resolve_model(path, quiet=quiet)
+    return policy_kw, {"model_path": critic_path, "lr": cfg.critic.lr, **shared}
+
+
+def train_on_batch(
+    policy: Any,
+    critic: Any,
+    batch: Batch,
+    bstats: dict[str, float],
+    spec: AlgorithmSpec,
+    cfg: TrainConfig,
+    version: int,
+) -> dict[str, float]:
+    """One training step on ``batch``: the proximal logprobs (``loss.proximal=recompute``),
+    the reference logprobs (a KL penalty), the critic's values and GAE (PPO), the policy's
+    updates (:func:`policy_updates`), then the critic's. Returns their summed stats;
+    ``bstats`` gets the GAE metrics and the value loss."""
+    temp = batch.temps  # each token at the temperature it was sampled with
+    mbt = cfg.train.micro_batch_tokens
+    if cfg.loss.proximal == "recompute":
+        batch.prox = policy.logprobs(batch.seqs, temp, mbt, batch.mask)
+    if spec.loss.kl_coef > 0:
+        batch.ref = policy.ref_logprobs(batch.seqs, temp, mbt, batch.mask)
+    if critic is not None:
+        bstats.update(add_gae(batch, critic.values(batch.seqs, mbt), spec))
+    stats = policy_updates(policy, batch, spec, cfg, version)
+    if critic is not None:
+        vstats = critic.train_step(batch.seqs, make_value_loss_fn(batch, spec), mbt)
+        stats.update(vstats)
+        bstats["value_loss"] = vstats["value_loss"]
+        critic.step_schedule()
+    return stats
+
+
 def policy_updates(
-    policy: Policy, batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int
+    policy: Any, batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int
 ) -> dict[str, float]:
     """One optimizer step per mini-batch of ``batch`` (``train.minibatches``, see
     ``split_batch``). Their stats add up (token-weighted sums, micro-batches), except the
@@ -552,5 +597,11 @@ def _seed_everything(seed: int) -> None:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """Run ``cfg`` to completion (blocking); returns the last step's metrics."""
+    """Run ``cfg`` to completion (blocking); returns the last step's metrics. A sharded
+    trainer (``train.nproc > 1`` or ``train.fsdp``) runs on ranks that
+    ``trainer.distributed.launch`` starts."""
+    if cfg.train.sharded:
+        from .distributed import launch
+
+        return launch(cfg, resume=resume, quiet=quiet)
     return asyncio.run(Trainer(cfg, resume=resume, quiet=quiet).run())

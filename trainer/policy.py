@@ -21,8 +21,17 @@ Choices made here:
   float32 over the full vocabulary (T = 1 for greedy), computed as
   ``logits[t] / T - logsumexp(logits / T)`` without materialising the full log-softmax.
 * LoRA through peft; weight sync then ships only the adapter tensors.
+* ``sharded``: the model is one FSDP2 data-parallel rank of several (:mod:`trainer.fsdp`):
+  each rank trains its own part of the batch, gradients are summed over ranks, and a rank
+  with fewer micro-batches runs zero-loss dummies so that every rank enters every
+  collective. The weights, checkpoints and the exported model are the same as one
+  process's. :mod:`trainer.distributed` sends each rank its part.
+* Checkpoints hold the trained tensors and the optimizer state in
+  ``torch.distributed.checkpoint`` form (``dcp/``, loadable by any number of ranks), plus
+  the model or adapter as a transformers / peft directory (``model/``) for ``eval`` and
+  ``serve``.
 
-Left out: tensor/pipeline parallelism (one device), sequence parallelism.
+Left out: tensor/pipeline parallelism, sequence parallelism.
 """
 
 from __future__ import annotations
@@ -37,9 +46,11 @@ from typing import Any
 import torch
 
 from areal_agents.engine import WeightUpdate
+from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device
 from areal_agents.trajectory import common_prefix_len
 
+from . import fsdp
 from .loss import entropy_from_logits, scale_logits
 from .schedule import LrSchedule
 
@@ -268,8 +279,6 @@ def load_schedule(
     """Restore a saved schedule position. A checkpoint written before schedules were saved
     (no ``scheduler.pt``) resumes a constant rate as it is and refuses any other schedule,
     naming the fix."""
-    from areal_agents.errors import ConfigError
-
     if not path.exists():
         if schedule == LrSchedule(total_steps=schedule.total_steps):  # constant, no warmup
             return
@@ -304,8 +313,12 @@ class Policy:
         reference: bool = False,
         share_prefixes: bool = True,
         schedule: LrSchedule | None = None,
+        sharded: bool = False,
+        cpu_offload: bool = False,
     ) -> None:
-        """``schedule``: the learning-rate schedule with peak ``lr`` (:mod:`trainer.schedule`;
+        """``sharded``: this process is one FSDP2 rank (the process group is initialised;
+        see the module docstring), with ``cpu_offload`` of its shards to host memory.
+        ``schedule``: the learning-rate schedule with peak ``lr`` (:mod:`trainer.schedule`;
         None = constant), advanced by :meth:`step_schedule` once per training step.
         ``reference``: keep the starting weights as the reference policy of a KL penalty
         (:meth:`ref_logprobs`). With LoRA that costs nothing (the base without the adapter
@@ -315,7 +328,13 @@ class Policy:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(default_device(device))
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model_path = model_path
+        self.sharded, self.cpu_offload = sharded, cpu_offload
+        load_dtype, self.compute_dtype = getattr(torch, dtype), None
+        if sharded and self.device.type == "cuda" and load_dtype != torch.float32:
+            # float32 master weights, computed in the configured low precision
+            load_dtype, self.compute_dtype = torch.float32, load_dtype
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype)
         self.is_lora = bool(lora)
         if lora:
             from peft import LoraConfig, get_peft_model
@@ -323,15 +342,22 @@ class Policy:
             self.lora_config = LoraConfig(task_type="CAUSAL_LM", **lora)
             model = get_peft_model(model, self.lora_config)  # type: ignore[assignment]
         if activation_checkpointing:
-            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False} if sharded else None
+            )
             if lora:
                 model.enable_input_require_grads()
-        self.model = model.to(self.device)  # type: ignore[arg-type]
+        self.model = self._placed(model, random_init=bool(lora))
         self._reference: Any = None
         if reference and not lora:
-            import copy
+            if sharded:  # a sharded module cannot be copied: load the starting weights again
+                with torch.random.fork_rng(devices=[]):  # as random as the copy: not at all
+                    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype)
+                self._reference = self._placed(ref.eval().requires_grad_(False), False)
+            else:
+                import copy
 
-            self._reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+                self._reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, weight_decay=weight_decay, betas=betas
@@ -341,9 +367,30 @@ class Policy:
         self.grad_clip = grad_clip
         attn = str(getattr(model.config, "_attn_implementation", "") or "")
         self.share_prefixes = share_prefixes and not attn.startswith("flash")
-        self.mask_dtype = next(model.parameters()).dtype
+        self.mask_dtype = self.compute_dtype or next(model.parameters()).dtype
         # Shared with an inference engine in the same process (see EmbeddedEngine).
         self._compute = compute_lock or contextlib.nullcontext()
+
+    def _placed(self, model: Any, random_init: bool) -> Any:
+        """``model`` on the device; sharded: every rank starting from rank 0's randomly
+        initialised tensors (``random_init``: LoRA adapters), then sharded."""
+        if not self.sharded:
+            return model.to(self.device)
+        model = model.to("cpu" if self.cpu_offload else self.device)
+        if random_init:
+            fsdp.broadcast_from_rank0(p for p in model.parameters() if p.requires_grad)
+        fsdp.shard(model, compute_dtype=self.compute_dtype, cpu_offload=self.cpu_offload)
+        return model
+
+    def _padded(self, packs: list[Packed]) -> list[Packed | None]:
+        """``packs`` and, sharded, as many ``None`` (dummy micro-batches) as make every
+        rank run the same number of forward passes."""
+        n = fsdp.max_over_ranks(len(packs)) if self.sharded else len(packs)
+        return [*packs, *[None] * (n - len(packs))]
+
+    def _dummy_forward(self) -> torch.Tensor:
+        """A two-token forward pass that enters the sharded model's collectives."""
+        return self._forward(make_packed([[0, 0]], [0], self.device))
 
     def reset_optimizer(self, lr: float) -> None:
         """A fresh optimizer state and schedule, peak ``lr`` (after a warm start, before RL)."""
@@ -453,8 +500,11 @@ class Policy:
         was_training = self.model.training
         self.model.eval()
         out: list[torch.Tensor | None] = [None] * len(seqs)
-        for packed in self._pack(seqs, micro_batch_tokens, needed):
+        for packed in self._padded(self._pack(seqs, micro_batch_tokens, needed)):
             with self._compute:
+                if packed is None:
+                    self._dummy_forward()
+                    continue
                 logps, _ = self._per_item(self._forward(packed), packed, temperature, False)
             for i, lp in zip(packed.items, logps, strict=True):
                 out[i] = lp.cpu()
@@ -501,8 +551,11 @@ class Policy:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         n_micro = 0
-        for packed in self._pack(seqs, micro_batch_tokens, needed):
+        for packed in self._padded(self._pack(seqs, micro_batch_tokens, needed)):
             with self._compute:
+                if packed is None:  # enters the collectives; adds nothing to the gradient
+                    (self._dummy_forward().sum() * 0.0).backward()
+                    continue
                 logits = self._forward(packed)
                 logps, ents = self._per_item(logits, packed, temperature, True, entropy_grad)
                 loss, stats = loss_fn(packed.items, logps, ents)
@@ -510,61 +563,139 @@ class Policy:
             n_micro += 1
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
-        with self._compute:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-            if math.isfinite(float(norm)):
-                self.optimizer.step()
-        totals["grad_norm"] = float(norm)
         totals["micro_batches"] = n_micro
+        if self.sharded:
+            totals = fsdp.sum_over_ranks(totals)
+        with self._compute:
+            norm = float(
+                fsdp.full_value(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+            )
+            if math.isfinite(norm):
+                self.optimizer.step()
+        totals["grad_norm"] = norm
         return totals
 
     # ------------------------------------------------------------------ weights
-    def weight_update(self, version: int) -> WeightUpdate:
-        """The current weights for the inference engine (adapter only with LoRA)."""
+    def _trained_state(self) -> dict[str, torch.Tensor]:
+        """The tensors the engine needs, as host copies: the LoRA adapter (peft's names,
+        without the adapter name) or the whole model. Sharded: gathered in buckets, whole
+        on rank 0 only ({} on the others)."""
         if self.is_lora:
             from peft import get_peft_model_state_dict
 
-            sd = {
-                k: v.detach().cpu().clone()
-                for k, v in get_peft_model_state_dict(self.model).items()
-            }
+            state = get_peft_model_state_dict(self.model)
+        else:
+            state = self.model.state_dict()
+        if self.sharded:
+            return fsdp.gather_state(state)
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+    def weight_update(self, version: int) -> WeightUpdate:
+        """The current weights for the inference engine (adapter only with LoRA); sharded,
+        complete on rank 0 only."""
+        sd = self._trained_state()
+        if self.is_lora:
             return WeightUpdate(
                 kind="lora", state_dict=sd, lora_config=self.lora_config, version=version
             )
-        sd = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         return WeightUpdate(kind="full", state_dict=sd, version=version)
 
     def save(self, directory: str | Path) -> None:
-        """Model (or adapter), optimizer and schedule state, for resuming."""
+        """Trained tensors and optimizer state (``dcp/``), the model or adapter as a
+        transformers / peft directory (``model/``) and the schedule state, for resuming.
+        Sharded: every rank writes its shards; rank 0 the rest."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(d / "model")
-        torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
+        fsdp.save_state(self.model, self.optimizer, d / "dcp", trainable_only=self.is_lora)
+        if not self.sharded:
+            self.model.save_pretrained(d / "model")
+        elif self.is_lora:
+            self._save_adapter(self._trained_state(), d / "model")
+        else:
+            host = self._host_copy()
+            if host is not None:
+                host.save_pretrained(d / "model")
+        if fsdp.rank() == 0:
+            torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
+
+    def _save_adapter(self, state: dict[str, torch.Tensor], directory: Path) -> None:
+        """Rank 0: the adapter as peft writes it (``adapter_model.safetensors`` and
+        ``adapter_config.json``)."""
+        if fsdp.rank() != 0:
+            return
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: v.contiguous() for k, v in state.items()}, directory / "adapter_model.safetensors"
+        )
+        self.model.peft_config["default"].save_pretrained(str(directory))
+
+    def _host_copy(self) -> Any:
+        """Sharded: on rank 0, an unsharded copy of the model on the host with the current
+        weights (the base model loaded again, plus the gathered trained tensors); None on
+        the other ranks. Unsharded: the model itself."""
+        if not self.sharded:
+            return self.model
+        state = self._trained_state()
+        if fsdp.rank() != 0:
+            return None
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):  # the run's random stream stays as it is
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.mask_dtype)
+            if self.is_lora:
+                from peft import get_peft_model, set_peft_model_state_dict
+
+                model = get_peft_model(model, self.lora_config)  # type: ignore[assignment]
+                set_peft_model_state_dict(model, state)
+            else:
+                model.load_state_dict(state)
+        return model
 
     def load(self, directory: str | Path) -> None:
-        from areal_agents.weights import apply_weight_update
-
         d = Path(directory)
-        path = str(d / "model")
-        update = WeightUpdate(kind="lora", path=path) if self.is_lora else WeightUpdate(path=path)
-        apply_weight_update(self.model, update)
-        self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=False))
+        if (d / "dcp").exists():
+            try:
+                fsdp.load_state(self.model, self.optimizer, d / "dcp", trainable_only=self.is_lora)
+            except fsdp.CheckpointMismatch as exc:
+                raise ConfigError(
+                    f"the checkpoint {d} does not fit this run's model ({exc}); resume with "
+                    "the model and model.lora it was written with, or set train.output_dir "
+                    "to a new directory"
+                ) from exc
+        elif self.sharded:
+            raise ConfigError(
+                f"{d} was written by an older version (no dcp/ directory), which sharded "
+                "ranks cannot read; resume it with train.nproc=1 (one checkpoint later it "
+                "can be resumed with any train.nproc)"
+            )
+        else:
+            from areal_agents.weights import apply_weight_update
+
+            path = str(d / "model")
+            update = (
+                WeightUpdate(kind="lora", path=path) if self.is_lora else WeightUpdate(path=path)
+            )
+            apply_weight_update(self.model, update)
+            self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=False))
         load_schedule(self.scheduler, self.schedule, d / "scheduler.pt")
 
     def export(
-        self, directory: str | Path, tokenizer_dir: str | Path, *, merge_lora: bool = True
+        self, directory: str | Path, tokenizer_dir: str | Path, merge_lora: bool = True
     ) -> Path:
-        """A HF directory that ``areal-agent serve --model`` loads."""
+        """A HF directory that ``areal-agent serve --model`` loads (sharded: written by
+        rank 0)."""
+        import copy
         import shutil
 
         d = Path(directory)
+        model = self._host_copy()
+        if model is None:  # another rank: it took part in the gather
+            return d
         d.mkdir(parents=True, exist_ok=True)
-        model = self.model
         if self.is_lora and merge_lora:
-            import copy
-
-            model = copy.deepcopy(self.model).merge_and_unload()
+            model = (model if self.sharded else copy.deepcopy(model)).merge_and_unload()
         model.save_pretrained(d)
         for f in Path(tokenizer_dir).iterdir():
             if f.name.startswith(

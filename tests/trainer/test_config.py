@@ -79,6 +79,10 @@ train:
   save_every: 10
   time_limit_min: 30
   resume: true
+  nproc: 1
+  fsdp: false
+  cpu_offload: false
+  collective_timeout_s: 300.0
 sft:
   enabled: true
   demos: demos.jsonl
@@ -138,6 +142,8 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
     )
     assert cfg.train.resume is True and cfg.train.output_dir == "runs/tau2"
     assert cfg.train.share_prefixes is False and cfg.train.minibatches == 2
+    assert (cfg.train.nproc, cfg.train.fsdp, cfg.train.sharded) == (1, False, False)
+    assert cfg.train.collective_timeout_s == 300.0
     assert cfg.rollout.probe_size == 2
     assert cfg.sft.kind == "episodes" and cfg.sft.lr == 1e-5
     assert cfg.metrics.tensorboard is False
@@ -508,3 +514,19 @@ def test_every_loss_key_reaches_the_loss_spec_or_the_loop():
     cfg = load_config(None, ["env.id=x", "loss.clip_high=0.28", "loss.agg=sum", "loss.kl_coef=0.1"])
     spec = _algorithm(cfg).loss
     assert (spec.clip_high, spec.agg, spec.kl_coef) == (0.28, "sum", 0.1)
+
+
+def test_trainer_ranks_are_checked_before_the_run():
+    assert load_config(None, ["env.id=areal/Math-v0", "train.nproc=2"]).train.sharded
+    one = load_config(None, ["env.id=areal/Math-v0", "train.fsdp=true"])
+    assert one.train.sharded and one.train.nproc == 1
+    problems = problems_of(None, ["env.id=areal/Math-v0", "train.nproc=2", "train.fsdp=false"])
+    assert any(p.startswith("train.fsdp: must be true or null with nproc > 1") for p in problems)
+    problems = problems_of(None, ["env.id=areal/Math-v0", "train.cpu_offload=true"])
+    assert any("set train.fsdp=true" in p for p in problems)
+    problems = problems_of(None, ["env.id=areal/Math-v0", "train.nproc=0"])
+    assert any(p.startswith("train.nproc: must be >= 1") for p in problems)
+    warm = ["env.id=areal/Math-v0", "train.nproc=2", "sft.enabled=true", "sft.demos=d.jsonl"]
+    assert any("resume that run (--resume)" in p for p in problems_of(None, warm))
+    ray = ["env.id=areal/Math-v0", "train.nproc=2", "scheduler=ray"]
+    assert any(p.startswith("train.nproc: sharded trainer ranks") for p in problems_of(None, ray))

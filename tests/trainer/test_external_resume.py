@@ -1,6 +1,7 @@
 """``rollout.agents: external`` across a crash: the trainer is killed with SIGKILL while a
 worker process is connected, ``--resume`` serves the same port and token, the same worker
-goes on, and no episode is lost or trained twice (the ledger's sessions and groups)."""
+goes on, and no episode is lost or trained twice (the ledger's sessions and groups); with
+one trainer process and with 2 FSDP2 ranks (the launcher killed: its ranks die with it)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "examples" / "agents" / "openai_worker.py"
 
 
-def _train(out: Path, model: Path, log: Path, resume: bool) -> subprocess.Popen[bytes]:
+def _train(out: Path, model: Path, log: Path, resume: bool, nproc: int) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-m",
@@ -38,6 +39,7 @@ def _train(out: Path, model: Path, log: Path, resume: bool) -> subprocess.Popen[
         "train.save_every=1",
         "metrics.tensorboard=false",
         f"train.output_dir={out}",
+        f"train.nproc={nproc}",
     ]
     if resume:
         cmd.insert(4, "--resume")
@@ -58,11 +60,12 @@ def _latest(out: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_kill_9_with_a_worker_connected_then_resume_loses_and_repeats_nothing(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, nproc
 ):
     out, log = tmp_path / "run", tmp_path / "train.log"
-    first = _train(out, tiny_model_dir, log, resume=False)
+    first = _train(out, tiny_model_dir, log, resume=False, nproc=nproc)
     worker = None
     try:
         _wait("workers.json", (out / "workers.json").exists, first, log, 300)
@@ -91,7 +94,7 @@ def test_kill_9_with_a_worker_connected_then_resume_loses_and_repeats_nothing(
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
         killed_at = _latest(out)
-        second = _train(out, tiny_model_dir, log, resume=True)
+        second = _train(out, tiny_model_dir, log, resume=True, nproc=nproc)
         assert second.wait(timeout=600) == 0, log.read_text()[-3000:]
         assert json.loads((out / "workers.json").read_text()) == endpoint, "port/token kept"
         assert worker.poll() is None, "the worker went on across the restart"

@@ -657,7 +657,7 @@ def test_ppo_runs_in_the_loop_and_resumes_its_critic(tiny_model_dir, tmp_path):
     assert first.critic is not None
     saved = {k: v.clone() for k, v in first.critic.params.items()}
     assert any(not torch.equal(saved[k], first.initial[k]) for k in saved), "critic unchanged"
-    assert (out / "checkpoints" / "step-000001" / "critic" / "weights.safetensors").exists()
+    assert (out / "checkpoints" / "step-000001" / "critic" / "dcp" / ".metadata").exists()
 
     second = Recording(load_config(None, [*overrides, "train.steps=2"]), resume=True, quiet=True)
     asyncio.run(second.run())

@@ -1,0 +1,142 @@
+"""What the trainer ranks of ``test_distributed.py`` run (``run_ranks(n, [this file, MODE,
+...])``), and the parity cases both sides share.
+
+Modes: ``parity DATA OUT`` trains every case on the ranks; ``raise`` / ``kill``: rank 1
+raises, or kills itself, while rank 0 waits in a collective; ``hang DIR``: every rank
+writes its pid and waits forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COMMON = [
+    "env.id=areal/Calculator-v0",
+    "sampling.max_new_tokens=16",
+    "rollout.max_head_offpolicyness=1",
+    "train.micro_batch_tokens=40",
+    "optim.lr=0.001",
+]
+LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"]
+CASES: dict[str, list[str]] = {
+    "grpo-lora": ["algorithm=grpo", *LORA, "loss.kl_coef=0.1", "loss.proximal=recompute"],
+    "dapo-lora": ["algorithm=dapo", *LORA, "train.minibatches=2"],
+    "dr_grpo-lora": ["algorithm=dr_grpo", *LORA],
+    "ppo-lora": ["algorithm=ppo", *LORA, "loss.proximal=recompute", "critic.lr=0.001"],
+    "grpo-full": ["algorithm=grpo", "loss.kl_coef=0.1"],
+    "ppo-full": ["algorithm=ppo", "critic.lr=0.001"],
+}
+RESUMED = ("grpo-lora", "ppo-full")
+"""Cases also resumed on the ranks from the one-process checkpoint after step 1."""
+
+
+def case_config(name: str, model: str) -> Any:
+    from trainer.config import load_config
+
+    return load_config(None, [*COMMON, *CASES[name], f"model.path={model}"])
+
+
+def train_steps(policy: Any, critic: Any, episodes: list, cfg: Any, steps: range) -> list[dict]:
+    """``train_on_batch`` on the same episodes for ``steps``; each step's loss and norms."""
+    from trainer.batch import build_batch
+    from trainer.loop import _algorithm, train_on_batch
+
+    spec = _algorithm(cfg)
+    out = []
+    for version in steps:
+        batch, bstats = build_batch(
+            episodes, spec, cfg.rollout.gamma, cfg.sampling.max_new_tokens, 1.0
+        )
+        stats = train_on_batch(policy, critic, batch, bstats, spec, cfg, version)
+        out.append(
+            {
+                k: stats[k]
+                for k in ("loss", "grad_norm", "value_grad_norm", "value_loss")
+                if k in stats
+            }
+        )
+    return out
+
+
+def _parity(data_path: str, out_dir: str) -> None:
+    from trainer import fsdp
+    from trainer.distributed import DistributedCritic, DistributedPolicy, Ranks, serve
+    from trainer.loop import _algorithm, model_kwargs
+
+    data = pickle.loads(Path(data_path).read_bytes())
+    if fsdp.rank() != 0:
+        serve(seed=0)
+        return
+    ranks = Ranks(seed=0)
+    out = Path(out_dir)
+    results: dict[str, Any] = {}
+    jobs = [(name, None) for name in CASES] + [(name, "resume") for name in RESUMED]
+    for name, how in jobs:
+        cfg = case_config(name, data["model"])
+        torch.manual_seed(0)  # the one process's adapters and head start from this seed
+        policy_kw, critic_kw = model_kwargs(cfg, _algorithm(cfg), data["model"])
+        policy = DistributedPolicy(ranks, ranks.build("policy", "policy", policy_kw))
+        critic = None
+        if critic_kw is not None:
+            critic = DistributedCritic(ranks, ranks.build("critic", "critic", critic_kw))
+        key = name if how is None else f"{name}+resume"
+        steps = range(2)
+        if how == "resume":  # a checkpoint one process wrote after step 1
+            ckpt = Path(data["checkpoints"][name])
+            policy.load(ckpt)
+            if critic is not None:
+                critic.load(ckpt / "critic")
+            steps = range(1, 2)
+        t0 = time.perf_counter()
+        results[key] = {"steps": train_steps(policy, critic, data["episodes"], cfg, steps)}
+        results[key]["seconds"] = time.perf_counter() - t0
+        update = policy.weight_update(2)
+        torch.save(update.state_dict, out / f"{key}.weights.pt")
+        policy.save(out / key)
+        if critic is not None:
+            critic.save(out / key / "critic")
+    ranks.stop()
+    (out / "results.json").write_text(json.dumps(results))
+
+
+def main(argv: list[str]) -> None:
+    from trainer import fsdp
+
+    mode = argv[0]
+    fsdp.init_process_group(timeout_s=120)
+    try:
+        if mode == "parity":
+            _parity(argv[1], argv[2])
+        elif mode in ("raise", "kill"):
+            if fsdp.rank() == 1:
+                time.sleep(1)
+                if mode == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("rank one broke on purpose")
+            dist.barrier()  # rank 0 waits for a peer that never comes
+        elif mode == "hang":
+            Path(argv[1], f"pid-{fsdp.rank()}").write_text(str(os.getpid()))
+            if fsdp.rank() == 0:
+                time.sleep(3600)
+            dist.barrier()
+    finally:
+        fsdp.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from trainer.distributed import _die_with_parent
+
+    _die_with_parent()
+    record(main)(sys.argv[1:])

@@ -1,0 +1,479 @@
+"""Trainer ranks: ``train.nproc`` FSDP2 processes that train one policy (and critic).
+
+How a run is laid out:
+
+* :func:`launch` (:func:`run_ranks`) starts the ranks the way ``torchrun`` does, through
+  ``torch.distributed``'s elastic agent (``elastic_launch``: c10d rendezvous on this
+  machine, no restarts), each rank ``python -m trainer.distributed CONFIG``. It waits for
+  them and turns a failed rank into :class:`RankFailed`, naming the rank and its error.
+* Rank 0 runs the whole :class:`~trainer.loop.Trainer`: the engine, the proxy, the group
+  source, the metrics and the checkpoints' run state. Its policy and critic are
+  :class:`DistributedPolicy` / :class:`DistributedCritic`: the same methods as
+  ``Policy`` / ``Critic``, each sent to every rank as a command with that rank's part of
+  the data (:class:`Ranks`). The other ranks only :func:`serve` commands: they never touch
+  the proxy or an engine.
+* A training step's sequences are split by whole groups (:func:`group_parts`): contiguous
+  runs of groups with about equal tokens per rank. The loss weights and advantages were
+  computed over the whole batch before the split (``BatchLoss.select``), and gradients are
+  summed over ranks (:mod:`trainer.fsdp`), so the step is the one a single process takes.
+  Forward-only passes (proximal and reference logprobs, values) are split into contiguous
+  runs of sequences of about equal tokens.
+* Failures end the run in bounded time: a rank that raises exits, the agent stops the
+  others; a rank blocked in a collective gives up after ``train.collective_timeout_s``;
+  every rank dies with its launcher (``PR_SET_PDEATHSIG``), so none outlives a
+  ``kill -9`` of it.
+* Checkpoints: every rank writes its shards (``dcp/``) and its random state
+  (``rng-rank{r}.pt``; rank 0's is the checkpoint's ``rng.pt``); they load on any number of
+  ranks. A rank without a saved random state (more ranks than wrote it) starts from
+  ``train.seed + rank``.
+
+Left out: several machines under one launch (start one launch per node yourself, or use
+Ray), tensor and pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal_agents.errors import ArealError
+
+from . import fsdp
+from .critic import Critic
+from .policy import Policy, Temperature
+
+_PARENT_ENV = "AREAL_TRAINER_LAUNCHER_PID"
+
+
+class RankFailed(ArealError):
+    """A trainer rank raised or was killed; the message names it and its error."""
+
+
+# ---------------------------------------------------------------------------- the split
+def group_parts(groups: Sequence[Any], lengths: Sequence[int], n: int) -> list[list[int]]:
+    """Sample indices per rank: whole groups, in their order, in ``n`` contiguous runs of
+    about equal tokens. Group j, with ``T_<j`` tokens before it and ``T_j`` of its own out
+    of ``T``, goes to rank ``floor(n * (T_<j + T_j / 2) / T)`` (its midpoint's share), so
+    ranks may differ by up to a group's tokens, and a rank may get no group at all."""
+    order = list(dict.fromkeys(groups))
+    tokens = dict.fromkeys(order, 0)
+    for g, n_tok in zip(groups, lengths, strict=True):
+        tokens[g] += n_tok
+    total = sum(tokens.values()) or 1
+    rank_of, before = {}, 0
+    for g in order:
+        rank_of[g] = min(n - 1, int(n * (before + tokens[g] / 2) / total))
+        before += tokens[g]
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for i, g in enumerate(groups):
+        parts[rank_of[g]].append(i)
+    return parts
+
+
+def _pick(xs: Any, idx: list[int]) -> Any:
+    """``xs`` at ``idx`` when it is per sequence (a list or tuple); else as it is."""
+    return [xs[i] for i in idx] if isinstance(xs, list | tuple) else xs
+
+
+# ---------------------------------------------------------------------------- commands
+class Ranks:
+    """Rank 0's side of the command channel: each call scatters one command (the
+    target object, a method and each rank's arguments) and runs rank 0's part itself."""
+
+    def __init__(self, seed: int) -> None:
+        """``seed``: ``train.seed`` (a rank without a saved random state starts from
+        ``seed + rank``)."""
+        self.size, self.seed = fsdp.world_size(), seed
+        self.local: dict[str, Any] = {}
+
+    def call(
+        self,
+        target: str,
+        method: str,
+        args: Sequence[tuple[Any, ...]] | tuple[Any, ...] = (),
+        *,
+        per_rank: bool = False,
+        gather: bool = False,
+    ) -> Any:
+        """``target.method(*args)`` on every rank (``per_rank``: ``args[r]`` on rank r);
+        returns rank 0's result, or with ``gather`` all ranks' results in rank order."""
+        each: list[Any] = list(args) if per_rank else [args] * self.size
+        objs: list[Any] = [(target, method, a) for a in each]
+        dist.scatter_object_list([None], objs, src=0, group=fsdp.cpu_group())
+        result = _run(self.local, target, method, each[0])
+        if not gather:
+            return result
+        out: list[Any] = [None] * self.size
+        dist.gather_object(result, out, dst=0, group=fsdp.cpu_group())
+        return out
+
+    def build(self, target: str, kind: str, kwargs: dict[str, Any], lock: Any = None) -> Any:
+        """Every rank builds ``kind`` (``policy`` | ``critic``) with ``kwargs``; rank 0's
+        shares the engine's compute ``lock``."""
+        objs: list[Any] = [(target, "__build__", (kind, kwargs))] * self.size
+        dist.scatter_object_list([None], objs, src=0, group=fsdp.cpu_group())
+        self.local[target] = _build(kind, {**kwargs, "compute_lock": lock})
+        return self.local[target]
+
+    def stop(self) -> None:
+        objs: list[Any] = [("", "__stop__", ())] * self.size
+        dist.scatter_object_list([None], objs, src=0, group=fsdp.cpu_group())
+
+
+def _build(kind: str, kwargs: dict[str, Any]) -> Any:
+    return (Policy if kind == "policy" else Critic)(**kwargs, sharded=True)
+
+
+def _run(objects: dict[str, Any], target: str, method: str, args: tuple[Any, ...]) -> Any:
+    if method == "__rng_save__":
+        return _save_rng(*args)
+    if method == "__rng_load__":
+        return _load_rng(*args)
+    return getattr(objects[target], method)(*args)
+
+
+def serve(seed: int) -> None:
+    """A rank other than 0: run rank 0's commands until it says stop."""
+    torch.manual_seed(seed + fsdp.rank())
+    objects: dict[str, Any] = {}
+    while True:
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, None, src=0, group=fsdp.cpu_group())
+        target, method, args = box[0]
+        if method == "__stop__":
+            return
+        if method == "__build__":
+            kind, kwargs = args
+            objects[target] = _build(kind, kwargs)
+            continue
+        result = _run(objects, target, method, args)
+        if method in _GATHERED:
+            dist.gather_object(result, None, dst=0, group=fsdp.cpu_group())
+
+
+_GATHERED = frozenset({"logprobs", "ref_logprobs", "values"})
+"""The methods whose results rank 0 collects (``Ranks.call(..., gather=True)``)."""
+
+
+def _save_rng(directory: str) -> None:
+    """Ranks but 0 write their random state (rank 0's is the checkpoint's ``rng.pt``);
+    then all wait until every rank's files are written."""
+    if fsdp.rank() > 0:
+        torch.save(fsdp.rng_state(), Path(directory) / f"rng-rank{fsdp.rank()}.pt")
+    dist.barrier(group=fsdp.cpu_group())
+
+
+def _load_rng(directory: str, seed: int) -> None:
+    r = fsdp.rank()
+    if r == 0:
+        return  # restore_checkpoint restores rank 0's
+    path = Path(directory) / f"rng-rank{r}.pt"
+    if path.exists():
+        fsdp.set_rng_state(torch.load(path, weights_only=False))
+    else:
+        torch.manual_seed(seed + r)
+
+
+# ---------------------------------------------------------------------------- proxies
+class _Sharded:
+    """Rank 0's handle on one object that lives on every rank."""
+
+    target = ""
+
+    def __init__(self, ranks: Ranks, local: Any) -> None:
+        self.ranks, self.local = ranks, local
+
+    def _all(self, method: str, *args: Any) -> Any:
+        return self.ranks.call(self.target, method, args)
+
+    def _forward(
+        self,
+        method: str,
+        seqs: Sequence[Sequence[int]],
+        args: Callable[[list[int]], tuple[Any, ...]],
+    ) -> list[torch.Tensor]:
+        """``method(*args(idx))`` on each rank with its contiguous run ``idx`` of
+        ``seqs``, the results put back in order."""
+        parts = group_parts(list(range(len(seqs))), [len(s) for s in seqs], self.ranks.size)
+        each = [args(idx) for idx in parts]
+        results = self.ranks.call(self.target, method, each, per_rank=True, gather=True)
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(seqs)
+        for idx, res in zip(parts, results, strict=True):
+            for i, x in zip(idx, res, strict=True):
+                out[i] = x
+        return out
+
+    @property
+    def lr(self) -> float:
+        return float(self.local.lr)
+
+    def step_schedule(self) -> None:
+        self._all("step_schedule")
+
+    def save(self, directory: str | Path) -> None:
+        self._all("save", str(directory))
+
+    def load(self, directory: str | Path) -> None:
+        self._all("load", str(directory))
+
+
+class DistributedPolicy(_Sharded):
+    """``Policy``'s interface over all trainer ranks (see the module docstring)."""
+
+    target = "policy"
+
+    @property
+    def is_lora(self) -> bool:
+        return bool(self.local.is_lora)
+
+    @property
+    def model(self) -> Any:
+        return self.local.model
+
+    def reset_optimizer(self, lr: float) -> None:
+        self._all("reset_optimizer", lr)
+
+    def save(self, directory: str | Path) -> None:
+        """Every rank's shards, then its random state (the policy's checkpoint directory
+        is the checkpoint's)."""
+        self._all("save", str(directory))
+        self.ranks.call("", "__rng_save__", (str(directory),))
+
+    def load(self, directory: str | Path) -> None:
+        self._all("load", str(directory))
+        self.ranks.call("", "__rng_load__", (str(directory), self.ranks.seed))
+
+    def logprobs(
+        self,
+        seqs: Sequence[Sequence[int]],
+        temperature: Temperature,
+        micro_batch_tokens: int = 4096,
+        needed: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        return self._forward(
+            "logprobs",
+            seqs,
+            lambda idx: (
+                _pick(seqs, idx),
+                _pick(temperature, idx),
+                micro_batch_tokens,
+                _pick(needed, idx),
+            ),
+        )
+
+    def ref_logprobs(
+        self,
+        seqs: Sequence[Sequence[int]],
+        temperature: Temperature,
+        micro_batch_tokens: int = 4096,
+        needed: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        return self._forward(
+            "ref_logprobs",
+            seqs,
+            lambda idx: (
+                _pick(seqs, idx),
+                _pick(temperature, idx),
+                micro_batch_tokens,
+                _pick(needed, idx),
+            ),
+        )
+
+    def train_step(
+        self,
+        seqs: Sequence[Sequence[int]],
+        loss_fn: Any,
+        temperature: Temperature,
+        micro_batch_tokens: int = 4096,
+        needed: Sequence[torch.Tensor] | None = None,
+        entropy_grad: bool = False,
+    ) -> dict[str, float]:
+        """``loss_fn`` must be a ``BatchLoss`` (it is split with the batch by its groups)."""
+        parts = group_parts(loss_fn.group_ids, [len(s) for s in seqs], self.ranks.size)
+        args = [
+            (
+                _pick(seqs, idx),
+                loss_fn.select(idx),
+                _pick(temperature, idx),
+                micro_batch_tokens,
+                _pick(needed, idx),
+                entropy_grad,
+            )
+            for idx in parts
+        ]
+        return self.ranks.call(self.target, "train_step", args, per_rank=True)  # type: ignore[no-any-return]
+
+    def weight_update(self, version: int) -> Any:
+        return self._all("weight_update", version)
+
+    def export(
+        self, directory: str | Path, tokenizer_dir: str | Path, *, merge_lora: bool = True
+    ) -> Path:
+        return self._all("export", str(directory), str(tokenizer_dir), merge_lora)  # type: ignore[no-any-return]
+
+
+class DistributedCritic(_Sharded):
+    """``Critic``'s interface over all trainer ranks."""
+
+    target = "critic"
+
+    def values(
+        self, seqs: Sequence[Sequence[int]], micro_batch_tokens: int = 4096
+    ) -> list[torch.Tensor]:
+        return self._forward("values", seqs, lambda idx: (_pick(seqs, idx), micro_batch_tokens))
+
+    def train_step(
+        self, seqs: Sequence[Sequence[int]], loss_fn: Any, micro_batch_tokens: int = 4096
+    ) -> dict[str, float]:
+        """``loss_fn`` must be a ``ValueLoss`` with its samples' group ids."""
+        parts = group_parts(loss_fn.group_ids, [len(s) for s in seqs], self.ranks.size)
+        args = [(_pick(seqs, idx), loss_fn.select(idx), micro_batch_tokens) for idx in parts]
+        return self.ranks.call(self.target, "train_step", args, per_rank=True)  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------- processes
+def _die_with_parent() -> None:
+    """Be killed (SIGKILL) when the launcher dies, even by ``kill -9``."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the collective timeout still ends an orphan
+        return
+    parent = os.environ.get(_PARENT_ENV)
+    if parent and os.getppid() != int(parent):  # the launcher died before prctl
+        os._exit(1)
+
+
+def rank_main(argv: Sequence[str] | None = None) -> int:
+    """One trainer rank (started by :func:`launch`)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return int(record(_rank_main)(argv) or 0)
+
+
+def _rank_main(argv: Sequence[str] | None) -> int:
+    from .config import load_config
+    from .loop import Trainer
+
+    p = argparse.ArgumentParser(prog="python -m trainer.distributed")
+    p.add_argument("config")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--summary", required=True)
+    args = p.parse_args(argv)
+    _die_with_parent()
+    cfg = load_config(args.config)
+    fsdp.init_process_group(cfg.train.collective_timeout_s)
+    try:
+        if fsdp.rank() != 0:
+            _quiet_libraries()
+            serve(cfg.train.seed)
+            return 0
+        ranks = Ranks(cfg.train.seed)
+        trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet, ranks=ranks)
+        summary = asyncio.run(trainer.run())
+        ranks.stop()
+        Path(args.summary).write_text(json.dumps(summary))
+        return 0
+    finally:
+        fsdp.destroy_process_group()
+
+
+def _quiet_libraries() -> None:
+    """Ranks other than 0 print nothing routine (rank 0 shows the progress)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def launch(cfg: Any, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """Run ``cfg`` on ``cfg.train.nproc`` ranks of this machine (blocking); returns rank 0's
+    last-step metrics. A failed rank raises :class:`RankFailed`."""
+    from .config import dump_yaml
+
+    with tempfile.TemporaryDirectory(prefix="areal-ranks-") as tmp:
+        config, summary = Path(tmp) / "config.yaml", Path(tmp) / "summary.json"
+        dump_yaml(cfg, config)
+        args = ["-m", "trainer.distributed", str(config), "--summary", str(summary)]
+        run_ranks(cfg.train.nproc, args + ["--resume"] * resume + ["--quiet"] * quiet)
+        return json.loads(summary.read_text())  # type: ignore[no-any-return]
+
+
+def run_ranks(nproc: int, args: Sequence[str], *, monitor_interval_s: float = 0.5) -> None:
+    """``python ARGS`` as ``nproc`` ranks on this machine, started and watched by
+    ``torch.distributed``'s elastic agent as ``torchrun --standalone`` would (c10d
+    rendezvous on loopback, no restarts). Returns when all exited 0; otherwise every rank
+    is stopped and :class:`RankFailed` names the first that failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_cfg = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"areal-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=monitor_interval_s,
+        local_addr="127.0.0.1",
+    )
+    os.environ[_PARENT_ENV] = str(os.getpid())
+    try:
+        elastic_launch(launch_cfg, sys.executable)(*args)
+    except ChildFailedError as exc:
+        raise RankFailed(_failure_message(exc)) from None
+    finally:
+        os.environ.pop(_PARENT_ENV, None)
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""How a rank's own error reads when it only lost a peer (the peer's failure is the cause)."""
+
+
+def _failure_message(exc: Any) -> str:
+    """The rank whose failure caused the others', how it ended and its error: a rank that
+    raised something other than a lost peer, else one killed by a signal other than the
+    agent's SIGTERM, else the first failure."""
+
+    def error(failure: Any) -> str:
+        msg = failure.message
+        if isinstance(msg, dict):
+            msg = msg.get("message", "")
+        return str(msg or "").strip()
+
+    def cause_rank(item: tuple[int, Any]) -> tuple[int, float]:
+        _, failure = item
+        text = error(failure)
+        if failure.exitcode > 0 and text and not any(p in text for p in _PEER_LOST):
+            return (0, failure.timestamp)
+        if failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
+            return (1, failure.timestamp)
+        return (2, failure.timestamp)
+
+    rank, failure = min(exc.failures.items(), key=cause_rank)
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    text = error(failure)
+    detail = text.splitlines()[-1] if text and not text.startswith("To enable") else ""
+    return f"trainer rank {rank} {how}" + (f": {detail}" if detail else " (see its output above)")
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())
