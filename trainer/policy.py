@@ -560,6 +560,7 @@ class Policy:
                 logps, ents = self._per_item(logits, packed, temperature, True, entropy_grad)
                 loss, stats = loss_fn(packed.items, logps, ents)
                 loss.backward()
+                del logits, logps, ents, loss  # not held through the optimizer step
             n_micro += 1
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + float(v)

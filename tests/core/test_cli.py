@@ -36,6 +36,9 @@ def test_train_dry_run_prints_resolved_config_and_bad_keys_name_the_fix():
     )
     assert out.returncode == 0, out.stderr
     assert "group_size: 6" in out.stdout and "areal/Calculator-v0" in out.stdout
+    # the memory estimate per rank, from the model's config alone
+    assert "# estimated training memory per rank:" in out.stdout
+    assert "per rank: params" in out.stdout and "total" in out.stdout.splitlines()[-1]
     bad = cli("train", "env.id=areal/Calculator-v0", "rollout.group_sise=4", "optim.lr=-1")
     assert bad.returncode == 2
     assert "did you mean 'rollout.group_size'" in bad.stderr

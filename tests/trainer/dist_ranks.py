@@ -32,8 +32,14 @@ CASES: dict[str, list[str]] = {
     "grpo-lora": ["algorithm=grpo", *LORA, "loss.kl_coef=0.1", "loss.proximal=recompute"],
     "dapo-lora": ["algorithm=dapo", *LORA, "train.minibatches=2"],
     "dr_grpo-lora": ["algorithm=dr_grpo", *LORA],
-    "ppo-lora": ["algorithm=ppo", *LORA, "loss.proximal=recompute", "critic.lr=0.001"],
-    "grpo-full": ["algorithm=grpo", "loss.kl_coef=0.1"],
+    "ppo-lora": [
+        "algorithm=ppo",
+        *LORA,
+        "loss.proximal=recompute",
+        "critic.lr=0.001",
+        "model.activation_checkpointing=true",
+    ],
+    "grpo-full": ["algorithm=grpo", "loss.kl_coef=0.1", "model.activation_checkpointing=true"],
     "ppo-full": ["algorithm=ppo", "critic.lr=0.001"],
 }
 RESUMED = ("grpo-lora", "ppo-full")

@@ -103,9 +103,10 @@ def _assert_steps(got: list[dict], want: list[dict], what: str) -> None:
 @pytest.mark.slow
 def test_two_ranks_take_the_step_one_process_takes(tiny_model_dir, tmp_path):
     """For GRPO (with KL), DAPO (2 mini-batches), Dr.GRPO and PPO with a critic, LoRA and
-    full fine-tuning: the loss, gradient norms and weights after 2 steps on 2 gloo ranks
-    equal one unsharded process's to 1e-5 (3 groups over 2 ranks; micro-batches of 40
-    tokens, so the ranks run different numbers of them). The ranks' checkpoints load into
+    full fine-tuning (two of them with activation checkpointing): the loss, gradient norms
+    and weights after 2 steps on 2 gloo ranks equal one unsharded process's to 1e-5 (3
+    groups over 2 ranks; micro-batches of 40 tokens, so the ranks run different numbers of
+    them). The ranks' checkpoints load into
     one process (2 -> 1), and one process's checkpoint after step 1 resumes on the ranks
     (1 -> 2) with the same second step."""
     model = str(tiny_model_dir)
@@ -255,3 +256,13 @@ def test_quickstart_on_two_ranks_ends_with_a_model_serve_loads(tmp_path):
         timeout=600,
     )
     assert smoke.returncode == 0, smoke.stderr[-3000:]
+
+
+def test_cpu_offload_without_a_gpu_is_refused_before_any_rank_starts():
+    from areal_agents.errors import ConfigError
+    from trainer.config import load_config
+    from trainer.distributed import launch
+
+    cfg = load_config(None, ["env.id=areal/Math-v0", "train.fsdp=true", "train.cpu_offload=true"])
+    with pytest.raises(ConfigError, match=r"set train\.cpu_offload=false"):
+        launch(cfg)
