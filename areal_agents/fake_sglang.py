@@ -12,8 +12,12 @@ Served (shapes as in SGLang 0.5): ``POST /generate`` (one prompt: ``input_ids`` 
 /pause_generation`` (``abort``, ``retract``, ``in_place``), ``POST /continue_generation``,
 ``POST /update_weights_from_disk``, ``POST /load_lora_adapter``, ``POST
 /unload_lora_adapter``, ``POST /update_weight_version``, ``GET|POST /flush_cache``, ``GET
-/health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_weight_version``,
-``GET /v1/models``.
+/health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``
+(``tp_size`` 1, ``dp_size`` 1), ``GET /get_weight_version``, ``GET /v1/models``, and the weight
+group: ``POST /init_weights_update_group`` (the server joins the trainer's group over gloo,
+as rank ``rank_offset``) and ``POST /update_weights_from_distributed`` (it receives the
+listed tensors and loads them). ``GET /debug/received_weights`` (not SGLang's) lists the
+SHA-256 of each tensor the last such update received, for tests.
 
 Known differences, all refused with HTTP 400 and a message rather than imitated: batched
 prompts, ``stream``, ``logprob_start_len`` other than -1 (no input logprobs are returned),
@@ -109,6 +113,8 @@ class FakeSGLang:
         self._paused = False
         self._in_flight = 0
         self._admin: asyncio.Lock | None = None
+        self._groups: dict[str, Any] = {}  # weight groups by name
+        self.received: dict[str, str] = {}  # name -> digest of the last distributed update
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ app
@@ -133,6 +139,14 @@ class FakeSGLang:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/health_generate", self.health, methods=["GET"])
         app.add_api_route("/get_model_info", self.get_model_info, methods=["GET"])
+        app.add_api_route("/get_server_info", self.get_server_info, methods=["GET"])
+        app.add_api_route(
+            "/init_weights_update_group", self.init_weights_update_group, methods=["POST"]
+        )
+        app.add_api_route(
+            "/update_weights_from_distributed", self.update_weights_distributed, methods=["POST"]
+        )
+        app.add_api_route("/debug/received_weights", self.received_weights, methods=["GET"])
         app.add_api_route("/get_weight_version", self.get_weight_version, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/generate", self.generate, methods=["POST", "PUT"])
@@ -166,6 +180,63 @@ class FakeSGLang:
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
         }
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return {"tp_size": 1, "dp_size": 1, "model_path": self.model_dir}
+
+    async def init_weights_update_group(self, request: Request) -> dict[str, Any]:
+        from .weight_transfer import init_group
+
+        body = await _json(request)
+        need = ("master_address", "master_port", "rank_offset", "world_size", "group_name")
+        if missing := [k for k in need if k not in body]:
+            raise _Rejected(f"init_weights_update_group needs {', '.join(missing)}")
+        if body.get("backend", "nccl") not in ("gloo", "nccl"):
+            raise _Rejected(f"unknown backend {body.get('backend')!r}")
+        try:
+            self._groups[str(body["group_name"])] = await asyncio.to_thread(
+                init_group,
+                str(body["master_address"]),
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+                str(body["group_name"]),
+                "gloo",  # the CPU stand-in of NCCL
+            )
+        except Exception as exc:
+            return {"success": False, "message": f"Failed to init group: {exc}"}
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    async def update_weights_distributed(self, request: Request) -> Response:
+        from .weight_transfer import digest, receive
+
+        body = await _json(request)
+        group = self._groups.get(str(body.get("group_name")))
+        if group is None:
+            raise _Rejected(f"no weight group {body.get('group_name')!r}: init it first")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise _Rejected("update_weights_from_distributed needs names, dtypes and shapes")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise _Rejected("names, dtypes and shapes must be as long as each other")
+        async with self._lock():
+            tensors = await asyncio.to_thread(receive, group, dtypes, shapes)
+            state = dict(zip(names, tensors, strict=True))
+            self.received = {k: digest(v) for k, v in state.items()}
+            try:
+                for engine in self._engines():
+                    await engine.update_weights(WeightUpdate(kind="full", state_dict=state))
+            except Exception as exc:
+                return JSONResponse(
+                    {"success": False, "message": f"Failed to update weights: {exc}"},
+                    status_code=400,
+                )
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+        return JSONResponse({"success": True, "message": "Succeeded to update model weights."})
+
+    async def received_weights(self) -> dict[str, str]:
+        return self.received
 
     async def get_weight_version(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version}

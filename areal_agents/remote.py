@@ -37,7 +37,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self
@@ -199,10 +199,7 @@ class RemoteEngine:
             staged = await asyncio.to_thread(self._stage, update)
             new_version = update.version if update.version is not None else self._version + 1
             try:
-                if self.can_pause:
-                    await self._update_paused(staged, new_version)
-                else:
-                    await self._update_drained(staged, new_version)
+                await self._swapped(lambda: self._load_staged(staged, new_version))
             except BaseException:
                 self._staging.discard(staged)
                 raise
@@ -358,31 +355,33 @@ class RemoteEngine:
         else:
             log.warning("cannot check %s against the served model: its directory is unknown", path)
 
-    async def _update_paused(self, staged: WeightUpdate, version: int) -> None:
-        assert staged.path is not None
-        self._interrupt_epoch += 1
-        await self._pause_server("abort")
-        try:
-            if staged.kind == "full":
-                await self._load_full(staged.path, version)
-            else:
-                await self._load_lora(staged.path, version)
-        finally:
-            if not self._user_paused:
-                await self._resume_server()
-
-    async def _update_drained(self, staged: WeightUpdate, version: int) -> None:
-        assert staged.path is not None
+    async def _swapped(self, load: Callable[[], Awaitable[None]]) -> None:
+        """Run ``load`` (a weight load) with generation stopped: on a server that pauses,
+        requests in flight are aborted and resumed on the new weights; otherwise new
+        requests wait and those in flight finish first."""
+        if self.can_pause:
+            self._interrupt_epoch += 1
+            await self._pause_server("abort")
+            try:
+                await load()
+            finally:
+                if not self._user_paused:
+                    await self._resume_server()
+            return
         self._hold_new = True
         try:
             while self._in_flight:
                 await asyncio.sleep(0.01)
-            if staged.kind == "full":
-                await self._load_full(staged.path, version)
-            else:
-                await self._load_lora(staged.path, version)
+            await load()
         finally:
             self._hold_new = self._user_paused
+
+    async def _load_staged(self, staged: WeightUpdate, version: int) -> None:
+        assert staged.path is not None
+        if staged.kind == "full":
+            await self._load_full(staged.path, version)
+        else:
+            await self._load_lora(staged.path, version)
 
     # ------------------------------------------------------------------ HTTP
     def _client(self) -> httpx.AsyncClient:

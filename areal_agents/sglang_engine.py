@@ -33,6 +33,13 @@ Endpoints used, and why
     to load a name twice), requests name it in ``lora_path``, and the previous adapter is
     unloaded. Needs ``--enable-lora`` with ``--max-lora-rank`` and
     ``--lora-target-modules``.
+``POST /init_weights_update_group`` and ``POST /update_weights_from_distributed``
+    Full weights straight from the trainer's GPU to the server's over NCCL
+    (:meth:`SGLangEngine.init_weight_group`, :meth:`SGLangEngine.update_weights_distributed`;
+    :mod:`areal_agents.weight_transfer`): the trainer hosts a process group that the
+    server's GPU workers join (``rank_offset`` 1, ``world_size`` 1 + tp x dp), and each
+    update lists the tensors' names, dtypes and shapes while the trainer broadcasts them in
+    that order; SGLang flushes its cache and sets the version label.
 ``POST /update_weight_version``
     Sets the version label (at attach and after a LoRA update).
 ``GET /health``, ``GET /get_model_info``, ``GET /v1/models``
@@ -54,17 +61,18 @@ so), since batching can otherwise change a draw.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
 from .engine import SamplingParams
-from .errors import BackendError
+from .errors import BackendError, UserError
 from .launch import ServerProcess, find_server_python, local_url
 from .remote import (
     DecodeFn,
@@ -77,6 +85,9 @@ from .remote import (
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -89,6 +100,7 @@ class SGLangEngine(RemoteEngine):
     def __init__(self, url: str, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
         self._adapter: str | None = None
+        self._weight_group: tuple[Any, str, str] | None = None  # (group, name, backend)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -246,6 +258,103 @@ class SGLangEngine(RemoteEngine):
         if previous is not None and previous != name:
             await self._request("POST", "/unload_lora_adapter", json={"lora_name": previous})
         await self._set_label(version)
+
+    # ------------------------------------------------------------------ weights over NCCL
+    async def init_weight_group(
+        self,
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        backend: str | None = None,
+        group_name: str = "areal-weights",
+        timeout_s: float = 300.0,
+    ) -> None:
+        """Host the process group the server's workers join for
+        :meth:`update_weights_distributed` (this process is its rank 0). ``master_address``
+        must be reachable from the server; ``master_port`` 0 picks a free one; ``backend``
+        defaults to NCCL on CUDA, else gloo."""
+        from .server import free_port
+        from .weight_transfer import init_group
+
+        self._check_open()
+        if self._weight_group is not None:
+            raise UserError("init_weight_group: this engine already has a weight group")
+        info = await self._request("GET", "/get_server_info")
+        workers = int(info.get("tp_size") or 1) * int(info.get("dp_size") or 1)
+        port = master_port or free_port()
+        import torch
+
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        body = {
+            "master_address": master_address,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 1 + workers,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        joined, out = await asyncio.gather(
+            asyncio.to_thread(
+                init_group, master_address, port, 0, 1 + workers, group_name, backend, timeout_s
+            ),
+            self._request("POST", "/init_weights_update_group", json=body),
+        )
+        if isinstance(out, dict) and out.get("success") is False:
+            raise BackendError(f"SGLang could not join the weight group: {out.get('message')}")
+        self._weight_group = (joined, group_name, backend)
+
+    async def update_weights_distributed(
+        self, state_dict: Mapping[str, torch.Tensor], version: int | None = None
+    ) -> int:
+        """Send the whole model ``state_dict`` through the weight group
+        (:meth:`init_weight_group` first; each tensor moves to the GPU for NCCL, one at a
+        time) and return the new version. Requests
+        in flight are interrupted and resumed on the new weights, as with
+        :meth:`update_weights`."""
+        from .weight_transfer import dtype_name, send
+
+        self._check_open()
+        if self._weight_group is None:
+            raise UserError("update_weights_distributed: call init_weight_group first")
+        group, name, backend = self._weight_group
+        device = "cuda" if backend == "nccl" else "cpu"
+        new_version = self._version + 1 if version is None else version
+        tensors = list(state_dict.values())
+        body = {
+            "names": list(state_dict),
+            "dtypes": [dtype_name(t) for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+            "group_name": name,
+            "flush_cache": True,
+            "weight_version": str(new_version),
+        }
+
+        async def load() -> None:
+            _, out = await asyncio.gather(
+                asyncio.to_thread(send, group, tensors, device),
+                self._request("POST", "/update_weights_from_distributed", json=body),
+            )
+            if isinstance(out, dict) and out.get("success") is False:
+                raise BackendError(f"SGLang could not take the weights: {out.get('message')}")
+
+        while self._updating:  # one update at a time
+            await asyncio.sleep(0.01)
+        self._updating = True
+        try:
+            await self._swapped(load)
+            self._version = new_version
+            self._stats["updates"] += 1
+            return new_version
+        finally:
+            self._updating = False
+
+    async def close(self) -> None:
+        from .weight_transfer import destroy
+
+        if self._weight_group is not None:
+            destroy(self._weight_group[0])
+            self._weight_group = None
+        await super().close()
 
     async def _set_label(self, version: int) -> None:
         try:

@@ -644,11 +644,6 @@ class TrainConfig(_Checked):
                 "and train.steps=1 first, then resume that run (--resume) with "
                 f"train.nproc={self.train.nproc}"
             )
-        if self.train.sharded and self.scheduler == "ray":
-            out.append(
-                "train.nproc: sharded trainer ranks start on this machine (scheduler: local); "
-                "with scheduler: ray set train.nproc=1 and train.fsdp=false"
-            )
         total = self.optim.total_steps or self.train.steps
         if self.optim.warmup_steps > total:
             out.append(

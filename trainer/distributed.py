@@ -27,8 +27,13 @@ How a run is laid out:
   ranks. A rank without a saved random state (more ranks than wrote it) starts from
   ``train.seed + rank``.
 
-Left out: several machines under one launch (start one launch per node yourself, or use
-Ray), tensor and pipeline parallelism.
+* ``scheduler: ray``: the ranks are Ray actors (:class:`RayRanks`, one GPU each where the
+  cluster has GPUs), and the driver, which keeps the loop, the group source, the proxy and
+  the worker API, sends them the same commands through Ray. The run's output directory
+  must be on a file system every rank's node sees (checkpoints are written by all ranks).
+
+Left out: several machines under one ``torch.distributed`` launch without Ray, tensor and
+pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -54,6 +60,7 @@ from .critic import Critic
 from .policy import Policy, Temperature
 
 _PARENT_ENV = "AREAL_TRAINER_LAUNCHER_PID"
+log = logging.getLogger(__name__)
 
 
 class RankFailed(ArealError):
@@ -140,6 +147,9 @@ def _run(objects: dict[str, Any], target: str, method: str, args: tuple[Any, ...
         return _save_rng(*args)
     if method == "__rng_load__":
         return _load_rng(*args)
+    if method == "__seed__":  # seed every rank's torch generator with args[0]
+        torch.manual_seed(int(args[0]))
+        return None
     return getattr(objects[target], method)(*args)
 
 
@@ -185,13 +195,123 @@ def _load_rng(directory: str, seed: int) -> None:
         torch.manual_seed(seed + r)
 
 
+class _RankActor:
+    """One trainer rank as a Ray actor (``scheduler: ray``; see :class:`RayRanks`)."""
+
+    def __init__(self, rank: int, world: int, seed: int) -> None:
+        self.rank, self.world, self.seed = rank, world, seed
+        self.objects: dict[str, Any] = {}
+
+    def address(self) -> tuple[str, int]:
+        """Where the ranks meet: this actor's node and a free port on it (rank 0 only)."""
+        import ray
+
+        from areal_agents.server import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def join(self, host: str, port: int, timeout_s: float) -> None:
+        os.environ.update(
+            MASTER_ADDR=host,
+            MASTER_PORT=str(port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world),
+            LOCAL_RANK="0",  # Ray shows each actor only its own GPU
+        )
+        fsdp.init_process_group(timeout_s)
+        torch.manual_seed(self.seed + self.rank)
+
+    def build(self, target: str, kind: str, kwargs: dict[str, Any]) -> None:
+        self.objects[target] = _build(kind, kwargs)
+
+    def run(self, target: str, method: str, args: tuple[Any, ...]) -> Any:
+        return _run(self.objects, target, method, args)
+
+    def attribute(self, target: str, name: str) -> Any:
+        return getattr(self.objects[target], name)
+
+    def leave(self) -> None:
+        self.objects.clear()
+        fsdp.destroy_process_group()
+
+
+class RayRanks:
+    """Trainer ranks as Ray actors (``scheduler: ray``), behind :class:`Ranks`'s interface.
+
+    The driver keeps the loop, the group source, the proxy and the worker API; it sends each
+    command to every actor through Ray and takes rank 0's answer. The actors form their
+    process group by a rendezvous at rank 0's actor (its node's address, a free port). With
+    GPUs in the cluster each actor takes one (NCCL); otherwise they take no CPU slot of
+    their own (gloo), so that the engine and rollout workers keep theirs."""
+
+    def __init__(self, nproc: int, seed: int, timeout_s: float) -> None:
+        import ray
+
+        from areal_agents.cluster import check_room, connect
+
+        connect()
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= nproc else 0.0
+        each = {"CPU": 1.0 if gpus else 0.0, "GPU": gpus}
+        check_room("trainer rank", nproc, each, "train.nproc")
+        actor = ray.remote(num_cpus=each["CPU"], num_gpus=gpus, max_restarts=0)(_RankActor)
+        self.actors: list[Any] = [actor.remote(r, nproc, seed) for r in range(nproc)]
+        self.size, self.seed = nproc, seed
+        host, port = ray.get(self.actors[0].address.remote())
+        ray.get([a.join.remote(host, port, timeout_s) for a in self.actors])
+
+    def call(
+        self,
+        target: str,
+        method: str,
+        args: Sequence[tuple[Any, ...]] | tuple[Any, ...] = (),
+        *,
+        per_rank: bool = False,
+        gather: bool = False,
+    ) -> Any:
+        import ray
+
+        each: list[Any] = list(args) if per_rank else [args] * self.size
+        refs = [a.run.remote(target, method, each[r]) for r, a in enumerate(self.actors)]
+        results = ray.get(refs)
+        return results if gather else results[0]
+
+    def build(self, target: str, kind: str, kwargs: dict[str, Any], lock: Any = None) -> Any:
+        import ray
+
+        ray.get([a.build.remote(target, kind, kwargs) for a in self.actors])
+        return _RemoteAttributes(self, target)
+
+    def stop(self) -> None:
+        """End the actors' process group and the actors."""
+        import ray
+
+        try:
+            ray.get([a.leave.remote() for a in self.actors], timeout=60)
+        except Exception as exc:  # a dead or hung rank: the actors are killed anyway
+            log.warning("trainer ranks did not leave cleanly: %r", exc)
+        for a in self.actors:
+            ray.kill(a)
+
+
+class _RemoteAttributes:
+    """Rank 0's object's attributes (``lr``, ``is_lora``), read through Ray."""
+
+    def __init__(self, ranks: RayRanks, target: str) -> None:
+        self._ranks, self._target = ranks, target
+
+    def __getattr__(self, name: str) -> Any:
+        import ray
+
+        return ray.get(self._ranks.actors[0].attribute.remote(self._target, name))
+
+
 # ---------------------------------------------------------------------------- proxies
 class _Sharded:
     """Rank 0's handle on one object that lives on every rank."""
 
     target = ""
 
-    def __init__(self, ranks: Ranks, local: Any) -> None:
+    def __init__(self, ranks: Ranks | RayRanks, local: Any) -> None:
         self.ranks, self.local = ranks, local
 
     def _all(self, method: str, *args: Any) -> Any:
@@ -441,12 +561,18 @@ def run_ranks(nproc: int, args: Sequence[str], *, monitor_interval_s: float = 0.
         local_addr="127.0.0.1",
     )
     os.environ[_PARENT_ENV] = str(os.getpid())
+    # each rank's share of the cores (as torchrun does, unless the user chose)
+    threads_set = "OMP_NUM_THREADS" in os.environ
+    if not threads_set:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     try:
         elastic_launch(launch_cfg, sys.executable)(*args)
     except ChildFailedError as exc:
         raise RankFailed(_failure_message(exc)) from None
     finally:
         os.environ.pop(_PARENT_ENV, None)
+        if not threads_set:
+            os.environ.pop("OMP_NUM_THREADS", None)
 
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -467,18 +593,20 @@ def _failure_message(exc: Any) -> str:
     def cause_rank(item: tuple[int, Any]) -> tuple[int, float]:
         _, failure = item
         text = error(failure)
-        if failure.exitcode > 0 and text and not any(p in text for p in _PEER_LOST):
-            return (0, failure.timestamp)
+        if text and not text.startswith("To enable") and not any(p in text for p in _PEER_LOST):
+            return (0, failure.timestamp)  # its own exception (it may since have been stopped)
         if failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
             return (1, failure.timestamp)
         return (2, failure.timestamp)
 
     rank, failure = min(exc.failures.items(), key=cause_rank)
-    if failure.exitcode < 0:
+    text = error(failure)
+    if text and not text.startswith("To enable") and failure.exitcode < 0:
+        how = "raised"  # then the agent stopped it
+    elif failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
     else:
         how = f"exited with code {failure.exitcode}"
-    text = error(failure)
     detail = text.splitlines()[-1] if text and not text.startswith("To enable") else ""
     return f"trainer rank {rank} {how}" + (f": {detail}" if detail else " (see its output above)")
 

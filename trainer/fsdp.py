@@ -170,14 +170,19 @@ def full_value(x: Any) -> Any:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
+GATHER_BUCKET_BYTES = 256 << 20
+"""The bucket size of :func:`gather_state` (whole tensors gathered before a host copy)."""
+
+
 def gather_state(
-    state: dict[str, torch.Tensor], bucket_bytes: int = 256 << 20
+    state: dict[str, torch.Tensor], bucket_bytes: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Whole copies on rank 0's host of ``state``'s (sharded) tensors; {} on other ranks.
 
     Tensors are gathered a bucket at a time, at most ``bucket_bytes`` of whole tensors (or
     one tensor, if larger), and each bucket is copied to the host and freed before the
     next: no rank ever holds more than one bucket of unsharded tensors on its device."""
+    bucket_bytes = GATHER_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     out: dict[str, torch.Tensor] = {}
     me = rank()
     bucket: list[tuple[str, torch.Tensor]] = []

@@ -599,7 +599,16 @@ def _seed_everything(seed: int) -> None:
 def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to completion (blocking); returns the last step's metrics. A sharded
     trainer (``train.nproc > 1`` or ``train.fsdp``) runs on ranks that
-    ``trainer.distributed.launch`` starts."""
+    ``trainer.distributed.launch`` starts, or on Ray actors (``RayRanks``) with
+    ``scheduler: ray``."""
+    if cfg.train.sharded and cfg.scheduler == "ray":
+        from .distributed import RayRanks
+
+        ranks = RayRanks(cfg.train.nproc, cfg.train.seed, cfg.train.collective_timeout_s)
+        try:
+            return asyncio.run(Trainer(cfg, resume=resume, quiet=quiet, ranks=ranks).run())
+        finally:
+            ranks.stop()
     if cfg.train.sharded:
         from .distributed import launch
 

@@ -161,3 +161,52 @@ def test_sglang_engine_launches_a_server_and_stops_it(tiny_model_dir: Path, tmp_
     res = asyncio.run(run())
     assert len(res.output_ids) == 3 and res.output_versions == [0, 0, 0]
     assert not engine.server.running
+
+
+def test_weights_over_a_process_group_reach_the_server_bit_for_bit(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``init_weight_group`` / ``update_weights_distributed``: the fake server (its own
+    process) joins the engine's gloo group, receives every tensor of a changed model exactly
+    (SHA-256 of each, on the server, against the trainer's), serves them under the new
+    version, and a second update goes through the same group."""
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal_agents.engine import SamplingParams
+    from areal_agents.sglang_engine import SGLangEngine
+    from areal_agents.weight_transfer import digest
+
+    engine = SGLangEngine.launch(
+        str(tiny_model_dir),
+        python=sys.executable,
+        server_module="areal_agents.fake_sglang",
+        dtype="float32",
+        log_path=str(tmp_path / "sglang.log"),
+        start_timeout_s=180,
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+    async def run() -> None:
+        try:
+            before = await engine.generate([1, 2, 3], greedy)
+            await engine.init_weight_group(backend="gloo", timeout_s=60)
+            assert await engine.update_weights_distributed(state, version=3) == 3
+            received = httpx.get(f"{engine.url}/debug/received_weights").json()
+            assert received == {k: digest(v) for k, v in state.items()}
+            after = await engine.generate([1, 2, 3], greedy)
+            assert after.output_versions == [3] * len(after.output_ids)
+            assert after.output_logprobs != before.output_logprobs
+            half = {k: v * 0.5 for k, v in state.items()}
+            assert await engine.update_weights_distributed(half) == 4
+            received = httpx.get(f"{engine.url}/debug/received_weights").json()
+            assert received == {k: digest(v) for k, v in half.items()}
+        finally:
+            await engine.close()
+
+    asyncio.run(run())

@@ -47,3 +47,111 @@ def test_scheduler_ray_trains_with_rollouts_on_ray_workers(cluster, tiny_model_d
     assert trainer.state.episodes_consumed == 8
     assert (tmp_path / "run" / "final" / "config.json").exists()
     assert summary["version"] == 1.0
+
+
+def _dist_ranks():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "trainer" / "dist_ranks.py"
+    spec = importlib.util.spec_from_file_location("dist_ranks", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_trainer_ranks_as_ray_actors_take_the_step_one_process_takes(cluster, tiny_model_dir):
+    """``RayRanks``: 2 actors form their own gloo group by a rendezvous at rank 0's actor;
+    GRPO with LoRA and KL and PPO in full, 2 steps each, equal one process to 1e-5."""
+    import torch
+
+    from trainer.critic import Critic
+    from trainer.distributed import DistributedCritic, DistributedPolicy, RayRanks
+    from trainer.loop import _algorithm, model_kwargs
+    from trainer.policy import Policy
+
+    dr = _dist_ranks()
+    model = str(tiny_model_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the actors (OMP_NUM_THREADS=1): the same summation order
+    torch.manual_seed(0)
+    base = Policy(model, dtype="float32", device="cpu")
+    episodes = _episodes(base)
+    ranks = RayRanks(2, seed=0, timeout_s=120)
+    try:
+        for name in ("grpo-lora", "ppo-full"):
+            cfg = dr.case_config(name, model)
+            policy_kw, critic_kw = model_kwargs(cfg, _algorithm(cfg), model)
+            torch.manual_seed(0)
+            one = Policy(**policy_kw)
+            one_critic = None if critic_kw is None else Critic(**critic_kw)
+            want = dr.train_steps(one, one_critic, episodes, cfg, range(2))
+            torch.manual_seed(0)  # the actors' adapters come from rank 0's own seed
+            ranks.call("", "__seed__", (0,))
+            policy = DistributedPolicy(ranks, ranks.build("policy", "policy", policy_kw))
+            critic = None
+            if critic_kw is not None:
+                critic = DistributedCritic(ranks, ranks.build("critic", "critic", critic_kw))
+            got = dr.train_steps(policy, critic, episodes, cfg, range(2))
+            for g, w in zip(got, want, strict=True):
+                for k in w:
+                    assert g[k] == pytest.approx(w[k], abs=1e-5, rel=1e-5), f"{name}: {k}"
+            a, b = policy.weight_update(2).state_dict, one.weight_update(2).state_dict
+            assert a.keys() == b.keys()
+            assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5, name
+            assert policy.lr == pytest.approx(one.lr) and policy.is_lora == one.is_lora
+    finally:
+        ranks.stop()
+        torch.set_num_threads(threads)
+
+
+def _episodes(policy):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "trainer" / "test_distributed.py"
+    spec = importlib.util.spec_from_file_location("test_distributed_for_ray", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._episodes(policy)
+
+
+@pytest.mark.slow
+def test_scheduler_ray_with_two_trainer_ranks_runs_to_the_end(cluster, tiny_model_dir, tmp_path):
+    """``scheduler: ray`` and ``train.nproc=2``: the engine, the rollout workers and the two
+    trainer ranks are actors; the loop, the source and the proxy stay here."""
+    from trainer.loop import train
+
+    out = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            "scheduler=ray",
+            "train.nproc=2",
+            "env.id=areal/Calculator-v0",
+            "env.kwargs={kind: arithmetic}",
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            "model.device=cpu",
+            "model.lora.enabled=true",
+            "rollout.group_size=2",
+            "rollout.batch_size=3",
+            "rollout.concurrency=4",
+            "rollout.max_turns=2",
+            "sampling.max_new_tokens=8",
+            "train.steps=2",
+            "train.save_every=1",
+            "optim.lr=1e-2",
+            "metrics.tensorboard=false",
+            f"train.output_dir={out}",
+        ],
+    )
+    summary = train(cfg, quiet=True)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and summary["version"] == 1.0
+    assert all(r["weight_sync_s"] > 0 for r in rows)
+    assert (out / "checkpoints" / "step-000002" / "rng-rank1.pt").exists()
+    assert (out / "final" / "config.json").exists()

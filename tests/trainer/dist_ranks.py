@@ -119,6 +119,7 @@ def main(argv: list[str]) -> None:
     from trainer import fsdp
 
     mode = argv[0]
+    fsdp.GATHER_BUCKET_BYTES = 1 << 16  # many buckets: LoRA tensors share one, big ones alone
     fsdp.init_process_group(timeout_s=120)
     try:
         if mode == "parity":
