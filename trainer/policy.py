@@ -288,6 +288,10 @@ def load_schedule(
             "optim.warmup_steps=0, or start a new run (set train.output_dir)"
         )
     scheduler.load_state_dict(torch.load(path, weights_only=False))
+    # the rate the optimizer uses next is the schedule's (also when no optimizer state was
+    # saved: a checkpoint before the first update)
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
 
 
 LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor]], tuple[torch.Tensor, dict]]
