@@ -374,6 +374,26 @@ class DistributedPolicy(_Sharded):
         self._all("load", str(directory))
         self.ranks.call("", "__rng_load__", (str(directory), self.ranks.seed))
 
+    def _scored(
+        self,
+        method: str,
+        seqs: Sequence[Sequence[int]],
+        temperature: Temperature,
+        micro_batch_tokens: int,
+        needed: Sequence[torch.Tensor] | None,
+    ) -> list[torch.Tensor]:
+        """``method`` (``logprobs`` | ``ref_logprobs``) over the ranks."""
+
+        def args(idx: list[int]) -> tuple[Any, ...]:
+            return (
+                _pick(seqs, idx),
+                _pick(temperature, idx),
+                micro_batch_tokens,
+                _pick(needed, idx),
+            )
+
+        return self._forward(method, seqs, args)
+
     def logprobs(
         self,
         seqs: Sequence[Sequence[int]],
@@ -381,16 +401,7 @@ class DistributedPolicy(_Sharded):
         micro_batch_tokens: int = 4096,
         needed: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        return self._forward(
-            "logprobs",
-            seqs,
-            lambda idx: (
-                _pick(seqs, idx),
-                _pick(temperature, idx),
-                micro_batch_tokens,
-                _pick(needed, idx),
-            ),
-        )
+        return self._scored("logprobs", seqs, temperature, micro_batch_tokens, needed)
 
     def ref_logprobs(
         self,
@@ -399,16 +410,7 @@ class DistributedPolicy(_Sharded):
         micro_batch_tokens: int = 4096,
         needed: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        return self._forward(
-            "ref_logprobs",
-            seqs,
-            lambda idx: (
-                _pick(seqs, idx),
-                _pick(temperature, idx),
-                micro_batch_tokens,
-                _pick(needed, idx),
-            ),
-        )
+        return self._scored("ref_logprobs", seqs, temperature, micro_batch_tokens, needed)
 
     def train_step(
         self,

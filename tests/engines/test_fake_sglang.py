@@ -135,21 +135,28 @@ async def test_weights_and_adapters(http: httpx.AsyncClient, tiny_model_dir: Pat
     assert (await http.get("/health")).status_code == 200
 
 
-def test_sglang_engine_launches_a_server_and_stops_it(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """SGLangEngine.launch with SGLang's flags, here running the fake server's module."""
+def _launch(model: Path, tmp_path: Path) -> Any:
+    """SGLangEngine.launch with SGLang's flags, running the fake server's module."""
     import sys
 
-    from areal_agents.engine import SamplingParams
     from areal_agents.sglang_engine import SGLangEngine
 
-    engine = SGLangEngine.launch(
-        str(tiny_model_dir),
+    return SGLangEngine.launch(
+        str(model),
         python=sys.executable,
         server_module="areal_agents.fake_sglang",
         dtype="float32",
         log_path=str(tmp_path / "sglang.log"),
         start_timeout_s=180,
     )
+
+
+def test_sglang_engine_launches_a_server_and_stops_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SGLangEngine.launch with SGLang's flags, here running the fake server's module."""
+
+    from areal_agents.engine import SamplingParams
+
+    engine = _launch(tiny_model_dir, tmp_path)
     assert engine.server is not None and engine.model_name == tiny_model_dir.name
 
     async def run() -> Any:
@@ -170,23 +177,14 @@ def test_weights_over_a_process_group_reach_the_server_bit_for_bit(
     process) joins the engine's gloo group, receives every tensor of a changed model exactly
     (SHA-256 of each, on the server, against the trainer's), serves them under the new
     version, and a second update goes through the same group."""
-    import sys
 
     import torch
     from transformers import AutoModelForCausalLM
 
     from areal_agents.engine import SamplingParams
-    from areal_agents.sglang_engine import SGLangEngine
     from areal_agents.weight_transfer import digest
 
-    engine = SGLangEngine.launch(
-        str(tiny_model_dir),
-        python=sys.executable,
-        server_module="areal_agents.fake_sglang",
-        dtype="float32",
-        log_path=str(tmp_path / "sglang.log"),
-        start_timeout_s=180,
-    )
+    engine = _launch(tiny_model_dir, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     state = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
