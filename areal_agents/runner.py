@@ -16,6 +16,11 @@ Episodes never run serially: every episode is a task on the event loop, bounded 
 semaphore. A failing model call, env step, tool or agent ends *that* episode with a typed
 reason (``backend_error``, ``env_error``, ``agent_error``, ``timeout``, ...) recorded on the
 episode and counted by the caller; it never fails the batch.
+
+Before an episode ends, its metadata gets ``env`` (the gymnasium id of the env, its
+``env.spec.id``, or None for an env made without a spec), ``success`` (as the env reported
+it, None when it did not) and ``turns``, so that the session's stored header (written at
+the end) can be filtered on them.
 """
 
 from __future__ import annotations
@@ -213,6 +218,12 @@ class Runner:
                 recorded = exc.code == "backend_error"  # the proxy recorded it on the episode
             finally:
                 _close(env)
+            won = state["success"]
+            session.episode.metadata.update(
+                env=_env_id(env),
+                success=None if won is None else bool(won),
+                turns=int(state["turns"]),
+            )
             failure = None if error is None or recorded else {"kind": reason, "message": error}
             self.proxy.sessions.end(session, reason=reason, error=failure)
             self.proxy.sessions.release(session.id)
@@ -371,6 +382,16 @@ def _conversation(episode: Episode, result: Any) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": str(result) if result is not None else ""}]
     last = episode.completions[-1]
     return [*last.messages, last.message]
+
+
+def _env_id(env: Any) -> str | None:
+    """The gymnasium id of ``env`` (``env.spec.id``; wrappers pass it on), or None."""
+    try:
+        spec = getattr(env, "spec", None)
+    except Exception:  # a spec that cannot be read is no id
+        return None
+    env_id = getattr(spec, "id", None)
+    return env_id if isinstance(env_id, str) else None
 
 
 def _close(env: Any) -> None:

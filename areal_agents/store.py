@@ -22,7 +22,33 @@ enough); a store never holds a key that could be replayed.
 Tables: ``sessions`` (one row per session: ids, key hash, group, task, metadata, sampling,
 times, end, final reward, errors, ``deleted_at``), ``completions`` (one row per model call,
 keyed by session and sequence number), ``responses`` (the Responses API's conversations, for
-``previous_response_id``) and ``worker_tasks`` (the worker API's tasks and their outcomes).
+``previous_response_id``), ``worker_tasks`` (the worker API's tasks and their outcomes) and
+``train_tokens`` (what the trainer did with each completion it trained, per step).
+
+``train_tokens`` has one row per (session, completion, step): ``step`` is the 1-based
+training step (as in ``metrics.jsonl``), ``version`` the policy version the step trained
+from, ``ret`` the completion's discounted return the advantages came from, ``merged`` and
+``merge_reason`` its merge decision (``Episode.samples``), and per output token, aligned 1:1
+with the completion's ``output_ids`` and NaN (floats) or False (flags) where a token carried
+no loss: ``advantages``, ``train_logprobs`` (the current policy's logprob in the loss),
+``prox_logprobs`` (the proximal logprob the loss used), ``behaviour_weights`` (w = pi_prox /
+pi_behav after the configured correction), ``clipped`` (the ratio clip was binding, low or
+high) and ``behaviour_clipped`` (w was over its cap). :meth:`EpisodeStore.put_train_tokens`
+writes them (a row written again for the same key replaces the old one) and
+:meth:`EpisodeStore.train_tokens` reads a session's back, decoded.
+
+Search: :meth:`EpisodeStore.fts_clause` selects the completions whose messages contain every
+word of a query. On SQLite a contentless FTS5 table (``completions_fts``, rowid = the
+completion's rowid, ``unicode61`` tokens, diacritics folded) holds the decoded text of each
+completion's new request messages and its reply: content strings and text parts, tool-call
+function names and arguments (JSON keys and values); a trigger fills it on every insert.
+(SQLite's VACUUM keeps those rowids, copying each table whole, though its documentation
+allows it to renumber a table without an INTEGER PRIMARY KEY; the store never vacuums.)
+On PostgreSQL a GIN index on
+``to_tsvector('simple', left(messages_suffix || ' ' || message, 262144))`` serves it: the text
+is searched as stored, JSON with ASCII escapes, so words with non-ASCII characters (stored as
+``\\uXXXX``) and JSON keys such as ``role`` are matched as they appear there, and only the
+first 262,144 characters of each completion are indexed (a tsvector is at most 1 MB).
 """
 
 from __future__ import annotations
@@ -30,12 +56,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
 import queue
 import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +78,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EpisodeStore", "hash_key", "store_url"]
 
-SCHEMA_HEAD = "0001"
+SCHEMA_HEAD = "0002"
 """The Alembic revision this code reads and writes."""
 
 metadata = sa.MetaData()
@@ -62,13 +89,13 @@ sessions = sa.Table(
     sa.Column("id", sa.String(64), primary_key=True),
     sa.Column("key_hash", sa.String(64), nullable=True, index=True, unique=True),
     sa.Column("group_id", sa.Text, nullable=True, index=True),
-    sa.Column("task_id", sa.Text, nullable=True),
+    sa.Column("task_id", sa.Text, nullable=True, index=True),
     sa.Column("metadata", sa.Text, nullable=False),
     sa.Column("sampling", sa.Text, nullable=False),
-    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False, index=True),
     sa.Column("last_active", sa.Float, nullable=False),
     sa.Column("ended", sa.Boolean, nullable=False),
-    sa.Column("end_reason", sa.Text, nullable=True),
+    sa.Column("end_reason", sa.Text, nullable=True, index=True),
     sa.Column("ended_at", sa.Float, nullable=True),
     sa.Column("final_reward", sa.Float, nullable=True),
     sa.Column("errors", sa.Text, nullable=False),
@@ -101,6 +128,8 @@ completions = sa.Table(
     sa.Column("queue_s", sa.Float, nullable=False),
     sa.Column("reward", sa.Float, nullable=False),
     sa.Column("agent", sa.Text, nullable=True),
+    sa.Index("ix_completions_id", "session_id", "id"),
+    sa.Index("ix_completions_agent", "agent", "session_id"),
 )
 
 responses = sa.Table(
@@ -126,6 +155,63 @@ worker_tasks = sa.Table(
     sa.Column("finished_at", sa.Float, nullable=True),
     sa.Column("message", sa.Text, nullable=True),
 )
+
+
+train_tokens = sa.Table(
+    "train_tokens",
+    metadata,
+    sa.Column("session_id", sa.String(64), primary_key=True),
+    sa.Column("completion_id", sa.String(96), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True, index=True),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("ret", sa.Float, nullable=False),
+    sa.Column("merged", sa.Boolean, nullable=False),
+    sa.Column("merge_reason", sa.Text, nullable=False),
+    sa.Column("advantages", sa.LargeBinary, nullable=False),
+    sa.Column("train_logprobs", sa.LargeBinary, nullable=False),
+    sa.Column("prox_logprobs", sa.LargeBinary, nullable=False),
+    sa.Column("behaviour_weights", sa.LargeBinary, nullable=False),
+    sa.Column("clipped", sa.LargeBinary, nullable=False),
+    sa.Column("behaviour_clipped", sa.LargeBinary, nullable=False),
+)
+
+TRAIN_FLOATS = ("advantages", "train_logprobs", "prox_logprobs", "behaviour_weights")
+"""Per-token float arrays of a ``train_tokens`` row (packed as float64; NaN: no loss)."""
+TRAIN_FLAGS = ("clipped", "behaviour_clipped")
+"""Per-token flag arrays of a ``train_tokens`` row (packed as one signed byte each)."""
+_TRAIN_SCALARS: dict[str, tuple[type, ...]] = {
+    "session_id": (str,),
+    "completion_id": (str,),
+    "step": (int,),
+    "version": (int,),
+    "ret": (int, float),
+    "merged": (bool,),
+    "merge_reason": (str,),
+}
+
+PG_SEARCH_CHARS = 262144
+"""Characters of each completion's text the PostgreSQL search index covers (migration
+0002; the query must repeat the index's expression exactly to use it)."""
+_PG_SEARCH_VECTOR: Any = sa.literal_column(
+    "to_tsvector('simple', left(completions.messages_suffix || ' ' || completions.message, "
+    f"{PG_SEARCH_CHARS}))"
+)
+
+
+def search_words(query: str) -> list[str]:
+    """The words of a search query: its whitespace-separated parts that hold at least one
+    letter or digit (the others could match nothing: the tokenizers drop them)."""
+    if not isinstance(query, str):
+        raise TypeError(f"query: expected a string, got {type(query).__name__}")
+    return [w for w in query.split() if any(ch.isalnum() for ch in w)]
+
+
+def fts5_match(words: Sequence[str]) -> str:
+    """An FTS5 MATCH expression for ``words``: each one a quoted string (``"`` doubled inside),
+    so that no input is read as an operator (``OR``, ``NOT``, ``-``, ``*``, ``:``, ``^``,
+    parentheses); juxtaposed strings must all match. A word with separators inside
+    (``foo-bar``) is a phrase: its tokens adjacent, in order."""
+    return " ".join('"' + w.replace('"', '""') + '"' for w in words)
 
 
 def store_url(spec: str | Path) -> str:
@@ -387,6 +473,22 @@ class EpisodeStore:
 
         return self.submit(op)
 
+    def put_train_tokens(self, rows: list[dict[str, Any]]) -> concurrent.futures.Future[Any]:
+        """Write ``train_tokens`` rows (see the module docstring; each a dict of every column,
+        the arrays as sequences of floats / bools of one length) in one statement of the
+        writer's next transaction; a row whose (session_id, completion_id, step) is stored
+        already replaces it. The rows are checked here (``ValueError`` naming the row and
+        the problem) and packed in the writer thread. The future's result: rows written."""
+        checked = [_checked_train_row(i, row) for i, row in enumerate(rows)]
+        upsert = _upsert(self.engine.dialect.name, train_tokens)
+
+        def op(conn: Connection) -> int:
+            if checked:
+                conn.execute(upsert, [_packed_train_row(r) for r in checked])
+            return len(checked)
+
+        return self.submit(op)
+
     def close_open(self, reason: str) -> int:
         """End every open session (a trainer's restart: its groups are gone); how many."""
         with self.engine.begin() as conn:
@@ -494,6 +596,64 @@ class EpisodeStore:
         with self.engine.connect() as conn:
             return [r[0] for r in conn.execute(q.order_by(sessions.c.created_at))]
 
+    def train_tokens(self, session_id: str) -> list[dict[str, Any]]:
+        """The ``train_tokens`` rows of ``session_id``, decoded (arrays as lists of floats and
+        bools), by step and then in the order the session made its completions."""
+        seq = (
+            sa.select(completions.c.seq)
+            .where(
+                completions.c.session_id == train_tokens.c.session_id,
+                completions.c.id == train_tokens.c.completion_id,
+            )
+            .limit(1)
+            .scalar_subquery()
+        )
+        q = (
+            sa.select(train_tokens)
+            .where(train_tokens.c.session_id == session_id)
+            .order_by(train_tokens.c.step, seq, train_tokens.c.completion_id)
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(q).mappings().all()
+        out = []
+        for r in rows:
+            row = dict(r)
+            row["merged"] = bool(row["merged"])
+            for name in TRAIN_FLOATS:
+                row[name] = _unpack("d", row[name])
+            for name in TRAIN_FLAGS:
+                row[name] = [bool(v) for v in _unpack("b", row[name])]
+            out.append(row)
+        return out
+
+    def fts_clause(self, query: str) -> sa.Select[Any]:
+        """A SELECT of ``completions.session_id``, one row per completion whose messages hold
+        every word of ``query`` (case-insensitive, in any order; see the module docstring
+        for what is searched on each database), to combine with other filters, e.g.::
+
+            q = sa.select(sessions.c.id).where(sessions.c.id.in_(store.fts_clause("tax")))
+
+        The words are taken as plain text, never as search syntax or SQL: quotes,
+        ``OR``/``AND``/``NOT``, ``-``, ``*`` and the like are searched for (or, holding no
+        letter or digit, dropped: :func:`search_words`). A query without words matches
+        nothing."""
+        words = search_words(query)
+        select = sa.select(completions.c.session_id)
+        if not words:
+            return select.where(sa.false())
+        dialect = self.engine.dialect.name
+        if dialect == "sqlite":
+            hits: Any = (
+                sa.select(sa.literal_column("rowid"))
+                .select_from(sa.table("completions_fts"))
+                .where(sa.literal_column("completions_fts").match(fts5_match(words)))
+            )
+            return select.where(sa.literal_column("completions.rowid").in_(hits))
+        if dialect == "postgresql":
+            tsquery = sa.func.plainto_tsquery(sa.literal_column("'simple'"), " ".join(words))
+            return select.where(_PG_SEARCH_VECTOR.op("@@")(tsquery))
+        raise ConfigError(f"search: the episode store has no full-text search on {dialect}")
+
     def tasks(self) -> list[dict[str, Any]]:
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(worker_tasks).order_by(worker_tasks.c.created_at))
@@ -504,7 +664,7 @@ class EpisodeStore:
         with self.engine.connect() as conn:
             out = {
                 t.name: int(conn.execute(sa.select(sa.func.count()).select_from(t)).scalar() or 0)
-                for t in (sessions, completions, responses, worker_tasks)
+                for t in (sessions, completions, responses, worker_tasks, train_tokens)
             }
             size = sa.func.coalesce(sa.func.sum(sa.func.length(completions.c.prompt_suffix)), 0)
             text = sa.func.coalesce(sa.func.sum(sa.func.length(completions.c.messages_suffix)), 0)
@@ -586,6 +746,63 @@ def _completion_row(
         "reward": completion.reward,
         "agent": completion.agent,
     }
+
+
+def _upsert(dialect: str, table: sa.Table) -> Any:
+    """INSERT into ``table`` that replaces the row of an existing primary key (SQLite and
+    PostgreSQL both say ``ON CONFLICT (key) DO UPDATE``)."""
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    stmt: Any = (postgresql if dialect == "postgresql" else sqlite).insert(table)
+    keys = [c.name for c in table.primary_key.columns]
+    return stmt.on_conflict_do_update(
+        index_elements=keys,
+        set_={c.name: stmt.excluded[c.name] for c in table.columns if c.name not in keys},
+    )
+
+
+def _checked_train_row(i: int, row: Any) -> dict[str, Any]:
+    """``row`` (number ``i`` of a ``put_train_tokens`` call) if it is a complete, well-typed
+    ``train_tokens`` row; else ``ValueError`` saying what is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError(f"train_tokens row {i}: expected a dict, got {type(row).__name__}")
+    want = {*_TRAIN_SCALARS, *TRAIN_FLOATS, *TRAIN_FLAGS}
+    missing, extra = sorted(want - row.keys()), sorted(row.keys() - want)
+    if missing or extra:
+        raise ValueError(f"train_tokens row {i}: missing {missing}, unknown {extra}")
+    for name, kinds in _TRAIN_SCALARS.items():
+        value = row[name]
+        ok = isinstance(value, kinds) and (name == "merged" or not isinstance(value, bool))
+        if not ok:
+            want_kind = " or ".join(k.__name__ for k in kinds)
+            raise ValueError(f"train_tokens row {i}: {name} must be {want_kind}, got {value!r}")
+    if row["step"] < 1 or row["version"] < 0:
+        raise ValueError(
+            f"train_tokens row {i}: step must be >= 1 and version >= 0, got step "
+            f"{row['step']}, version {row['version']}"
+        )
+    lengths = {name: len(row[name]) for name in (*TRAIN_FLOATS, *TRAIN_FLAGS)}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"train_tokens row {i}: the per-token arrays differ in length: {lengths}")
+    for name in TRAIN_FLOATS:
+        if not all(isinstance(v, int | float) for v in row[name]):
+            raise ValueError(f"train_tokens row {i}: {name} must hold numbers")
+    for name in TRAIN_FLAGS:
+        if not all(isinstance(v, bool | int) and v in (0, 1) for v in row[name]):
+            raise ValueError(f"train_tokens row {i}: {name} must hold booleans")
+    if not math.isfinite(row["ret"]):
+        raise ValueError(f"train_tokens row {i}: ret must be finite, got {row['ret']}")
+    return row
+
+
+def _packed_train_row(row: dict[str, Any]) -> dict[str, Any]:
+    out = {name: row[name] for name in _TRAIN_SCALARS}
+    out["ret"] = float(out["ret"])
+    for name in TRAIN_FLOATS:
+        out[name] = _pack("d", [float(v) for v in row[name]])
+    for name in TRAIN_FLAGS:
+        out[name] = _pack("b", [int(bool(v)) for v in row[name]])
+    return out
 
 
 def _copy_outcome(source: concurrent.futures.Future[Any], target: asyncio.Future[None]) -> None:

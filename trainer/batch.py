@@ -1,12 +1,15 @@
 """Batch math of a training step: training samples with per-token advantages and loss
-weights (``build_batch``), DAPO's overlong penalty, GAE inputs for a critic, and the loss
-callbacks ``Policy.train_step`` and ``Critic.train_step`` call per micro-batch."""
+weights (``build_batch``), DAPO's overlong penalty, GAE inputs for a critic, the loss
+callbacks ``Policy.train_step`` and ``Critic.train_step`` call per micro-batch, and the
+per-token record of what the loss did (``BatchLoss(record=True)``, ``train_token_rows``)
+for the episode store's ``train_tokens`` table."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Collection
+import math
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +21,20 @@ from .advantage import completion_returns
 from .algorithms import AlgorithmSpec, OverlongSpec
 from .config import TrainConfig
 from .critic import GaeInputs, ValueLoss, critic_targets, gae_inputs
+
+
+@dataclass(frozen=True)
+class CompletionRef:
+    """A completion of a training sample, as the ``train_tokens`` record needs it."""
+
+    id: str
+    ret: float
+    """Its discounted return (the advantages' input; DAPO's overlong penalty included)."""
+    merged: bool
+    """Whether it merged into its parent's sample (``Episode.samples``' decision)."""
+    merge_reason: str
+    tokens: int
+    """Its number of output tokens."""
 
 
 @dataclass
@@ -47,6 +64,8 @@ class Batch:
     completion's recorded ``sampling.temperature``; 1 where not sampled). The trainer scores
     every token at it, so an agent that sets its own temperature, or calls at several, keeps
     the behaviour and current logprobs on one scale."""
+    sample_completions: list[list[CompletionRef]] = dataclasses.field(default_factory=list)
+    """Per sample, its completions in the order ``completions`` indexes them."""
 
     def select(self, idx: list[int]) -> Batch:
         """The samples ``idx`` (in that order) with everything computed over the whole
@@ -75,6 +94,7 @@ class Batch:
             episode_ids=some(self.episode_ids),
             group_ids=some(self.group_ids),
             temps=some(self.temps),
+            sample_completions=some(self.sample_completions),
         )
 
 
@@ -123,7 +143,17 @@ def build_batch(
         eligible += sum(1 for m in merges if m["reason"] != "root")
         if out.gae is not None:
             out.gae.extend(gae_inputs(ep, samples, gamma))
+        decision = {c.id: m for c, m in zip(ep.completions, merges, strict=True)}
+        n_out = {c.id: len(c.output_ids) for c in ep.completions}
         for s in samples:
+            out.sample_completions.append(
+                [
+                    CompletionRef(
+                        cid, ret, decision[cid]["merged"], decision[cid]["reason"], n_out[cid]
+                    )
+                    for cid, ret in zip(s.completion_ids, s.returns, strict=True)
+                ]
+            )
             seqs.append(s.input_ids)
             tcs.append(s.token_completion[1:])
             sample_eps.append(ep.session_id)
@@ -268,21 +298,58 @@ ADDITIVE_STATS = frozenset({"loss", "policy_loss"})
 """Policy-loss stats that are already batch-weighted sums (the rest are per-token means)."""
 
 
-def make_loss_fn(batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int) -> BatchLoss:
-    """The callback ``Policy.train_step`` calls for each micro-batch."""
-    return BatchLoss(batch, spec, cfg, version)
+def make_loss_fn(
+    batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int, *, record: bool = False
+) -> BatchLoss:
+    """The callback ``Policy.train_step`` calls for each micro-batch (``record``: keep each
+    sample's per-token loss values, see :class:`BatchLoss`)."""
+    return BatchLoss(batch, spec, cfg, version, record)
+
+
+RECORDED = (
+    "advantage",
+    "logp",
+    "prox_logp",
+    "behaviour_weight",
+    "clipped",
+    "behaviour_clipped",
+)
+"""The per-token values of ``policy_loss`` (its ``tokens``) that a record keeps, in the order
+of :attr:`SampleTokens.values`' rows."""
+
+
+@dataclass
+class SampleTokens:
+    """What the loss did with one training sample's tokens (over tokens 1..n-1)."""
+
+    session_id: str
+    completions: list[CompletionRef]
+    segments: torch.Tensor
+    """The index in ``completions`` of each token's completion (-1: not sampled)."""
+    mask: torch.Tensor
+    """The loss mask."""
+    values: torch.Tensor
+    """``[len(RECORDED), n - 1]`` float32: the :data:`RECORDED` values (flags as 0 / 1)."""
 
 
 @dataclass
 class BatchLoss:
     """The policy loss of ``batch``'s samples as the ``Policy.train_step`` callback:
     ``(item indices, per-item logprobs, per-item entropies) -> (loss, stats)``. A plain
-    object (not a closure), so that :meth:`select` can send a trainer rank its part."""
+    object (not a closure), so that :meth:`select` can send a trainer rank its part.
+
+    With ``record``, each call also keeps, for every sample it sees for the first time, the
+    per-token values ``policy_loss`` computed (:data:`RECORDED`) as a :class:`SampleTokens`
+    in ``records`` (by sample index): what the first mini-batch, micro-batch and epoch that
+    saw the sample trained it with. A training step sees each sample once; a loss called
+    again on the same sample (a second pass) keeps the first record."""
 
     batch: Batch
     spec: AlgorithmSpec
     cfg: TrainConfig
     version: int
+    record: bool = False
+    records: dict[int, SampleTokens] = dataclasses.field(default_factory=dict)
 
     @property
     def group_ids(self) -> list[str]:
@@ -290,8 +357,26 @@ class BatchLoss:
 
     def select(self, idx: list[int]) -> BatchLoss:
         """The loss of samples ``idx`` only, with the whole batch's weights and advantages
-        (items then index ``idx``)."""
-        return BatchLoss(self.batch.select(idx), self.spec, self.cfg, self.version)
+        (items then index ``idx``); it records if this one does, starting empty."""
+        return BatchLoss(self.batch.select(idx), self.spec, self.cfg, self.version, self.record)
+
+    def _keep(self, items: list[int], tokens: dict[str, torch.Tensor]) -> None:
+        """Records of the samples among ``items`` not recorded yet (one copy to the CPU)."""
+        new = [k for k, i in enumerate(items) if i not in self.records]
+        if not new:
+            return
+        rows = torch.tensor(new, device=tokens["logp"].device)
+        values = torch.stack([tokens[name].float() for name in RECORDED])[:, rows].cpu()
+        batch = self.batch
+        for j, k in enumerate(new):
+            i = items[k]
+            self.records[i] = SampleTokens(
+                session_id=batch.episode_ids[i],
+                completions=batch.sample_completions[i],
+                segments=batch.completions[i],
+                mask=batch.mask[i],
+                values=values[:, j, : len(batch.mask[i])].clone(),
+            )
 
     def __call__(
         self, items: list[int], logps: list[torch.Tensor], ents: list[torch.Tensor]
@@ -319,12 +404,14 @@ class BatchLoss:
             from .loss import approx_proximal_logp
 
             prox = approx_proximal_logp(behav, logp, rows(batch.versions), version + 1, version)
+        tokens: dict[str, torch.Tensor] | None = {} if self.record else None
         loss, stats = spec.loss.policy_loss(
             logp,
             behav,
             prox,
             rows(batch.adv),
             mask,
+            tokens,
             weights=rows(batch.weights),
             segment_ids=rows(batch.segments, -1).long(),
             max_tokens=cfg.sampling.max_new_tokens,
@@ -336,4 +423,51 @@ class BatchLoss:
         stats = {k: v if k in ADDITIVE_STATS else v * n for k, v in stats.items()}
         stats["entropy_sum"] = float((_pad(ents) * mask).sum())
         stats["tokens"] = n
+        if tokens is not None:
+            self._keep(items, tokens)
         return loss, stats
+
+
+def train_token_rows(
+    records: Iterable[SampleTokens], step: int, version: int
+) -> list[dict[str, Any]]:
+    """The episode store's ``train_tokens`` rows of a training step (``EpisodeStore.
+    put_train_tokens``): one per completion with at least one token in the loss, its
+    arrays aligned with its output tokens. A completion's tokens sit at the end of its
+    sample's positions where ``segments`` names it, so its ``tokens - m`` first outputs
+    (m recorded; more than 0 only for an output token at position 0, which has no
+    logprob) and every token outside the loss mask are NaN, their flags False."""
+    floats = RECORDED.index("clipped")
+    out = []
+    for rec in records:
+        for k, ref in enumerate(rec.completions):
+            pos = (rec.segments == k).nonzero().squeeze(1)
+            keep = rec.mask[pos] > 0
+            if not bool(keep.any()):
+                continue
+            m, n = int(pos.numel()), ref.tokens
+            if m > n:
+                raise ValueError(
+                    f"completion {ref.id!r}: {m} recorded tokens for {n} output tokens"
+                )
+            vals = rec.values[:, pos].double()
+            arr = torch.full((len(RECORDED), n), math.nan, dtype=torch.float64)
+            arr[:, n - m :] = torch.where(keep, vals, torch.full_like(vals, math.nan))
+            flags = arr[floats:] > 0  # NaN > 0 is False
+            row: dict[str, Any] = {
+                "session_id": rec.session_id,
+                "completion_id": ref.id,
+                "step": step,
+                "version": version,
+                "ret": ref.ret,
+                "merged": ref.merged,
+                "merge_reason": ref.merge_reason,
+                "advantages": arr[0].tolist(),
+                "train_logprobs": arr[1].tolist(),
+                "prox_logprobs": arr[2].tolist(),
+                "behaviour_weights": arr[3].tolist(),
+                "clipped": flags[0].tolist(),
+                "behaviour_clipped": flags[1].tolist(),
+            }
+            out.append(row)
+    return out

@@ -17,7 +17,9 @@ How a run is laid out:
   computed over the whole batch before the split (``BatchLoss.select``), and gradients are
   summed over ranks (:mod:`trainer.fsdp`), so the step is the one a single process takes.
   Forward-only passes (proximal and reference logprobs, values) are split into contiguous
-  runs of sequences of about equal tokens.
+  runs of sequences of about equal tokens. A policy step whose loss records its tokens
+  (``BatchLoss(record=True)``) returns each rank's records with its result, and rank 0 puts
+  them back under the whole batch's sample indices.
 * Failures end the run in bounded time: a rank that raises exits, the agent stops the
   others; a rank blocked in a collective gives up after ``train.collective_timeout_s``;
   every rank dies with its launcher (``PR_SET_PDEATHSIG``), so none outlives a
@@ -150,6 +152,9 @@ def _run(objects: dict[str, Any], target: str, method: str, args: tuple[Any, ...
     if method == "__seed__":  # seed every rank's torch generator with args[0]
         torch.manual_seed(int(args[0]))
         return None
+    if method == "__train_recorded__":  # train_step, then its loss's token records
+        stats = objects[target].train_step(*args)
+        return stats, args[1].records
     return getattr(objects[target], method)(*args)
 
 
@@ -172,7 +177,7 @@ def serve(seed: int) -> None:
             dist.gather_object(result, None, dst=0, group=fsdp.cpu_group())
 
 
-_GATHERED = frozenset({"logprobs", "ref_logprobs", "values"})
+_GATHERED = frozenset({"logprobs", "ref_logprobs", "values", "__train_recorded__"})
 """The methods whose results rank 0 collects (``Ranks.call(..., gather=True)``)."""
 
 
@@ -421,7 +426,9 @@ class DistributedPolicy(_Sharded):
         needed: Sequence[torch.Tensor] | None = None,
         entropy_grad: bool = False,
     ) -> dict[str, float]:
-        """``loss_fn`` must be a ``BatchLoss`` (it is split with the batch by its groups)."""
+        """``loss_fn`` must be a ``BatchLoss`` (it is split with the batch by its groups).
+        When it records, the ranks' records are gathered into its ``records``, under the
+        whole batch's sample indices (rank r's sample j is sample ``parts[r][j]``)."""
         parts = group_parts(loss_fn.group_ids, [len(s) for s in seqs], self.ranks.size)
         args = [
             (
@@ -434,7 +441,14 @@ class DistributedPolicy(_Sharded):
             )
             for idx in parts
         ]
-        return self.ranks.call(self.target, "train_step", args, per_rank=True)  # type: ignore[no-any-return]
+        if not getattr(loss_fn, "record", False):
+            return self.ranks.call(self.target, "train_step", args, per_rank=True)  # type: ignore[no-any-return]
+        results = self.ranks.call(
+            self.target, "__train_recorded__", args, per_rank=True, gather=True
+        )
+        for idx, (_, records) in zip(parts, results, strict=True):
+            loss_fn.records.update({idx[j]: rec for j, rec in records.items()})
+        return results[0][0]  # type: ignore[no-any-return]
 
     def weight_update(self, version: int) -> Any:
         return self._all("weight_update", version)

@@ -31,6 +31,12 @@ Choices made:
 * ``train.nproc > 1`` (or ``train.fsdp``): the policy and critic are FSDP2 ranks
   (:mod:`trainer.distributed`); this loop runs on rank 0 unchanged, its policy and critic
   then send each call to every rank with that rank's part of the batch.
+* After each step, what the loss did with every trained completion (its advantages, current
+  and proximal logprobs, behaviour weights, clip flags, return and merge decision) goes to
+  the run's episode store as ``train_tokens`` rows (step = the metrics' step), written by
+  the store's writer thread. With trainer ranks, each rank's records come back to rank 0
+  with the step's result, and rank 0 alone writes. A source without a store (``scheduler:
+  ray``: the episodes are recorded by the Ray workers' proxies) records nothing.
 """
 
 from __future__ import annotations
@@ -58,11 +64,13 @@ from .algorithms import AlgorithmSpec, LossSpec, check_async_correction, get_alg
 from .batch import (
     ADDITIVE_STATS,
     Batch,
+    SampleTokens,
     add_gae,
     build_batch,
     make_loss_fn,
     make_value_loss_fn,
     split_batch,
+    train_token_rows,
 )
 from .checkpoint import RunState, append_ledger, restore_checkpoint, save_checkpoint
 from .config import LossConfig, TrainConfig, dump_yaml
@@ -374,12 +382,24 @@ class Trainer:
         lrs = {"optim/lr": self.policy.lr}  # the rates of this step's updates
         if self.critic is not None:
             lrs["optim/critic_lr"] = self.critic.lr
+        store = getattr(self.source, "store", None)  # None: the step's tokens go nowhere
+        records: list[SampleTokens] | None = None if store is None else []
         stats = await asyncio.to_thread(
-            train_on_batch, self.policy, self.critic, batch, bstats, self.spec, cfg, version
+            train_on_batch,
+            self.policy,
+            self.critic,
+            batch,
+            bstats,
+            self.spec,
+            cfg,
+            version,
+            records,
         )
+        t_train = time.perf_counter() - t0
+        if records is not None:
+            await asyncio.to_thread(record_train_tokens, store, records, version)
         policy_keys = set(stats) - {"grad_norm", "micro_batches", "entropy_sum", "tokens"}
         policy_keys -= {k for k in stats if k.startswith("value_")}
-        t_train = time.perf_counter() - t0
         tokens = stats.pop("tokens", 0.0) or 1.0
         stale = [
             version - int(v)
@@ -493,6 +513,20 @@ def model_kwargs(
     return policy_kw, {"model_path": critic_path, "lr": cfg.critic.lr, **shared}
 
 
+def record_train_tokens(store: Any, records: list[SampleTokens], version: int) -> Any:
+    """Queue the ``train_tokens`` rows of the step that trained policy ``version`` (step
+    ``version + 1``) in ``store``; returns the write's future (a failed write is logged,
+    the run goes on: the records are for inspection)."""
+    fut = store.put_train_tokens(train_token_rows(records, version + 1, version))
+
+    def report(done: Any) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            log.warning("train_tokens of step %d not stored: %r", version + 1, done.exception())
+
+    fut.add_done_callback(report)
+    return fut
+
+
 def train_on_batch(
     policy: Any,
     critic: Any,
@@ -501,11 +535,13 @@ def train_on_batch(
     spec: AlgorithmSpec,
     cfg: TrainConfig,
     version: int,
+    records: list[SampleTokens] | None = None,
 ) -> dict[str, float]:
     """One training step on ``batch``: the proximal logprobs (``loss.proximal=recompute``),
     the reference logprobs (a KL penalty), the critic's values and GAE (PPO), the policy's
     updates (:func:`policy_updates`), then the critic's. Returns their summed stats;
-    ``bstats`` gets the GAE metrics and the value loss."""
+    ``bstats`` gets the GAE metrics and the value loss. ``records`` (a list) gets the
+    per-token record of every sample (see :func:`policy_updates`)."""
     temp = batch.temps  # each token at the temperature it was sampled with
     mbt = cfg.train.micro_batch_tokens
     if cfg.loss.proximal == "recompute":
@@ -514,7 +550,7 @@ def train_on_batch(
         batch.ref = policy.ref_logprobs(batch.seqs, temp, mbt, batch.mask)
     if critic is not None:
         bstats.update(add_gae(batch, critic.values(batch.seqs, mbt), spec))
-    stats = policy_updates(policy, batch, spec, cfg, version)
+    stats = policy_updates(policy, batch, spec, cfg, version, records)
     if critic is not None:
         vstats = critic.train_step(batch.seqs, make_value_loss_fn(batch, spec), mbt)
         stats.update(vstats)
@@ -524,22 +560,32 @@ def train_on_batch(
 
 
 def policy_updates(
-    policy: Any, batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int
+    policy: Any,
+    batch: Batch,
+    spec: AlgorithmSpec,
+    cfg: TrainConfig,
+    version: int,
+    records: list[SampleTokens] | None = None,
 ) -> dict[str, float]:
     """One optimizer step per mini-batch of ``batch`` (``train.minibatches``, see
     ``split_batch``). Their stats add up (token-weighted sums, micro-batches), except the
-    losses and the gradient norm: the mean over the mini-batches."""
+    losses and the gradient norm: the mean over the mini-batches. With ``records`` (a list),
+    the losses record (``BatchLoss(record=True)``) and the list gets every sample's record,
+    as its mini-batch trained it."""
     parts = split_batch(batch, cfg.train.minibatches, spec, cfg.sampling.max_new_tokens)
     totals: dict[str, float] = {}
     for mb in parts:
+        loss_fn = make_loss_fn(mb, spec, cfg, version, record=records is not None)
         out = policy.train_step(
             mb.seqs,
-            make_loss_fn(mb, spec, cfg, version),
+            loss_fn,
             mb.temps or cfg.sampling.temperature,
             cfg.train.micro_batch_tokens,
             mb.mask,
             spec.loss.entropy_coef > 0,
         )
+        if records is not None:
+            records.extend(loss_fn.records[i] for i in sorted(loss_fn.records))
         for k, v in out.items():
             totals[k] = totals.get(k, 0.0) + float(v)
     for k in (*ADDITIVE_STATS, "grad_norm"):

@@ -301,11 +301,22 @@ class LossSpec:
         prox_logp: Tensor | None,
         advantages: Tensor,
         mask: Tensor,
+        tokens: dict[str, Tensor] | None = None,
         **inputs: Tensor | int | None,
     ) -> tuple[Tensor, dict[str, float]]:
         """``policy_loss`` with this setting. ``inputs``: weights, segment_ids, max_tokens,
-        ref_logp, entropy (anything that is data rather than configuration)."""
-        return policy_loss(logp, behav_logp, prox_logp, advantages, mask, self, **inputs)  # type: ignore[arg-type]
+        ref_logp, entropy (anything that is data rather than configuration); ``tokens``:
+        filled with the per-token values (see :func:`policy_loss`)."""
+        return policy_loss(
+            logp,
+            behav_logp,
+            prox_logp,
+            advantages,
+            mask,
+            self,
+            tokens=tokens,
+            **inputs,  # type: ignore[arg-type]
+        )
 
     def value_loss(
         self,
@@ -372,9 +383,11 @@ def policy_loss(
     max_tokens: int | None = None,
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
+    tokens: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The decoupled PPO objective with the setting ``spec`` (None: ``LossSpec()``, GRPO's).
-    Returns ``(loss, stats)``.
+    Returns ``(loss, stats)``; with ``tokens`` (a dict), also fills it with the per-token
+    values below (see the end of this docstring).
 
     Inputs are ``[B, T]`` (``advantages`` may be ``[B]``, one per row); ``logp`` carries the
     gradient, the others are constants; every keyword is data, every setting is a field of
@@ -404,6 +417,14 @@ def policy_loss(
     ``sum(weights * x)``; without them it is :func:`aggregate` with ``spec.token_agg``, the
     (``spec.weighting``, ``spec.agg``) pair with each row taken as one unit, and
     ``max_tokens`` as Dr.GRPO's normalizer. Dropped tokens stay in denominators.
+
+    ``tokens`` gets detached ``[B, T]`` tensors, computed anyway for the loss and its stats
+    (the loss and stats are the same with or without it): ``logp`` (log pi_theta),
+    ``prox_logp`` (log pi_prox), ``advantage`` (A), ``ratio`` (r, after GSPO's sequence
+    mean), ``behaviour_weight`` (w after the correction), ``clipped_low`` (A < 0 and
+    r < 1 - eps_low), ``clipped_high`` (A > 0 and r > 1 + eps_high), ``clipped`` (either:
+    the clip is binding, so the token's gradient is 0; always False under SAPO) and
+    ``behaviour_clipped`` (a valid token whose w before the correction exceeded cap).
     """
     spec = LossSpec() if spec is None else spec
     _check_policy_inputs(logp, behav_logp, mask)
@@ -437,6 +458,18 @@ def policy_loss(
         return aggregate(x, mask, agg, max_tokens)
 
     loss = pg = reduce(per_token)
+    if tokens is not None:
+        tokens.update(
+            logp=cur.detach(),
+            prox_logp=prox,
+            advantage=adv,
+            ratio=ratio.detach(),
+            behaviour_weight=w.detach(),
+            clipped_low=low,
+            clipped_high=high,
+            clipped=low | high,
+            behaviour_clipped=over,
+        )
     stats = {
         "policy_loss": pg.detach(),
         "advantage_mean": _masked_mean(adv, valid),

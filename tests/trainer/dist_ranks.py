@@ -53,8 +53,9 @@ def case_config(name: str, model: str) -> Any:
 
 
 def train_steps(policy: Any, critic: Any, episodes: list, cfg: Any, steps: range) -> list[dict]:
-    """``train_on_batch`` on the same episodes for ``steps``; each step's loss and norms."""
-    from trainer.batch import build_batch
+    """``train_on_batch`` on the same episodes for ``steps``; each step's loss and norms, and
+    sums over the ``train_tokens`` rows its records give (on ranks: gathered by rank 0)."""
+    from trainer.batch import build_batch, train_token_rows
     from trainer.loop import _algorithm, train_on_batch
 
     spec = _algorithm(cfg)
@@ -63,14 +64,18 @@ def train_steps(policy: Any, critic: Any, episodes: list, cfg: Any, steps: range
         batch, bstats = build_batch(
             episodes, spec, cfg.rollout.gamma, cfg.sampling.max_new_tokens, 1.0
         )
-        stats = train_on_batch(policy, critic, batch, bstats, spec, cfg, version)
-        out.append(
-            {
-                k: stats[k]
-                for k in ("loss", "grad_norm", "value_grad_norm", "value_loss")
-                if k in stats
-            }
-        )
+        records: list = []
+        stats = train_on_batch(policy, critic, batch, bstats, spec, cfg, version, records)
+        step = {
+            k: stats[k]
+            for k in ("loss", "grad_norm", "value_grad_norm", "value_loss")
+            if k in stats
+        }
+        rows = train_token_rows(records, version + 1, version)
+        step["recorded_rows"] = float(len(rows))
+        for name in ("advantages", "train_logprobs", "prox_logprobs", "behaviour_weights"):
+            step[f"recorded_{name}"] = sum(x for r in rows for x in r[name] if x == x)  # not NaN
+        out.append(step)
     return out
 
 

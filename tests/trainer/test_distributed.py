@@ -106,7 +106,8 @@ def test_two_ranks_take_the_step_one_process_takes(tiny_model_dir, tmp_path):
     full fine-tuning (two of them with activation checkpointing): the loss, gradient norms
     and weights after 2 steps on 2 gloo ranks equal one unsharded process's to 1e-5 (3
     groups over 2 ranks; micro-batches of 40 tokens, so the ranks run different numbers of
-    them). The ranks' checkpoints load into
+    them), and so do the per-token records rank 0 gathers from the ranks (``train_tokens``
+    rows: their number and sums of their arrays). The ranks' checkpoints load into
     one process (2 -> 1), and one process's checkpoint after step 1 resumes on the ranks
     (1 -> 2) with the same second step."""
     model = str(tiny_model_dir)
