@@ -19,6 +19,20 @@ if ! command -v bwrap >/dev/null 2>&1; then
         echo "note: the Python sandbox needs bubblewrap: ${sudo}apt-get install -y bubblewrap" >&2
     fi
 fi
+# The browser tests of `areal-agent view` (tests/view) drive Debian's Chromium headless;
+# the view itself needs no browser on the server.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 ||
+            { apt-get update -qq >/dev/null 2>&1 &&
+                apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1; } || true
+    fi
+    if ! command -v chromedriver >/dev/null 2>&1; then
+        sudo=$([ "$(id -u)" = 0 ] || echo "sudo ")
+        echo "note: the view's browser tests need ${sudo}apt-get install -y chromium chromium-driver" >&2
+    fi
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" torch==2.13.0

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from .backend import add_backend_args
@@ -108,7 +109,12 @@ def _build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--timeout", type=float, default=600.0, help="per-episode time limit (s)")
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ev.add_argument("--device", default=None)
-    ev.add_argument("--out", default=None, help="write episodes.jsonl and report.json here")
+    ev.add_argument(
+        "--out",
+        default=None,
+        help="write episodes.jsonl, report.json and the episode store episodes.db here "
+        "(replacing them; with --store, or --ray, the episodes are recorded there instead)",
+    )
     ev.add_argument("--store", default=None, help=_STORE_HELP)
     ev.add_argument(
         "--user-model",
@@ -179,6 +185,39 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     wk.add_argument("--wait", type=float, default=20.0, help="long-poll wait per request (s)")
     wk.set_defaults(func=_worker)
+
+    vw = sub.add_parser(
+        "view", help="browse runs, episodes and tokens in the browser (a local web server)"
+    )
+    vw.add_argument(
+        "sources",
+        nargs="*",
+        help="run directories, eval outputs, a directory of runs, or episode stores "
+        "(a .db file or a postgresql:// URL); default: runs/",
+    )
+    vw.add_argument(
+        "--host", default="127.0.0.1", help="bind address (anything but loopback needs a token)"
+    )
+    vw.add_argument("--port", type=int, default=8765)
+    vw.add_argument(
+        "--token",
+        default=os.environ.get("AREAL_VIEW_TOKEN"),
+        help="required on every request (default: $AREAL_VIEW_TOKEN; generated when --host "
+        "is not loopback)",
+    )
+    vw.add_argument(
+        "--import",
+        dest="import_dir",
+        metavar="RUN_DIR",
+        default=None,
+        help="build RUN_DIR/episodes.db from RUN_DIR/episodes.jsonl (older runs), then exit",
+    )
+    vw.add_argument(
+        "--no-browser",
+        action="store_true",
+        help="do not open the page in a browser (opened when there is a display)",
+    )
+    vw.set_defaults(func=_view)
     return parser
 
 
@@ -393,6 +432,7 @@ def _eval(args: argparse.Namespace) -> int:
         sampling["top_p"] = args.top_p
     if args.top_k:
         sampling["top_k"] = args.top_k
+    db = _eval_store(args, use_ray)
     with _ray_session(args), _eval_runner(args, sampling) as (runner, close):
         if simulated_user and not args.user_model:  # the served model plays the user
             env_kwargs.update(_served_user(runner.proxy, runner.base_url, args.max_tokens))
@@ -438,7 +478,23 @@ def _eval(args: argparse.Namespace) -> int:
     if args.out:
         out = write_outputs(args.out, report, groups)
         print(f"wrote {out / 'episodes.jsonl'} and {out / 'report.json'}")
+        if db is not None:
+            print(f"episodes recorded in {db}")
     return 0
+
+
+def _eval_store(args: argparse.Namespace, use_ray: bool) -> Path | None:
+    """With ``--out DIR`` and neither ``--store`` nor ``--ray``: the eval's proxy records
+    into a fresh ``DIR/episodes.db`` (an earlier one is replaced, as the other outputs
+    are); its path, else None."""
+    if not args.out or args.store or use_ray:
+        return None
+    db = Path(args.out).expanduser() / "episodes.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    for part in (db, db.with_name("episodes.db-wal"), db.with_name("episodes.db-shm")):
+        part.unlink(missing_ok=True)
+    args.store = str(db)
+    return db
 
 
 def _takes_user(env_id: str) -> bool:
@@ -587,6 +643,7 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from trainer.loop import train
 
+    print(view_hint(cfg.train.output_dir), flush=True)
     summary = train(cfg, resume=args.resume, quiet=args.quiet)
     keys = ("reward_mean", "success_rate", "staleness_mean", "train_tokens_per_s")
     print(" ".join(f"{k}={summary[k]:.3g}" for k in keys if k in summary))
@@ -598,8 +655,6 @@ def _demos(args: argparse.Namespace) -> int:
     """The env's demonstrations as JSONL rows ``{"messages": [...]}``; with ``--agent``, the
     agent's leading messages are put before each and the row carries the agent's tool list
     (``"tools"``), which a warm start renders them with."""
-    from pathlib import Path
-
     from envs.registry import make
 
     env_kwargs = _json_object(args.env_kwargs, "--env-kwargs")
@@ -670,6 +725,51 @@ def _worker(args: argparse.Namespace) -> int:
     done = worker.serve_sync(agent, max_tasks=args.max_tasks)
     print(f"areal-agent worker {worker.worker_id}: {done} result(s) posted", file=sys.stderr)
     return 0
+
+
+def _view(args: argparse.Namespace) -> int:
+    import secrets
+
+    import uvicorn
+
+    from .view import RunSet, create_app, import_run
+
+    if args.import_dir:
+        counts = import_run(args.import_dir)
+        print(
+            f"imported {counts['imported']} episodes into {Path(args.import_dir) / 'episodes.db'}"
+            f" ({counts['skipped']} already there, {counts['bad_lines']} unreadable lines)"
+        )
+        if not args.sources:
+            return 0
+    sources = args.sources or (["runs"] if Path("runs").is_dir() else [])
+    if not sources:
+        raise ConfigError(
+            "areal-agent view: name a run directory (e.g. runs/quickstart), a directory of "
+            "runs or an episode store; there is no runs/ here"
+        )
+    runs = RunSet(sources)
+    token = args.token
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    if not loopback and not token:
+        token = secrets.token_urlsafe(18)
+    shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    url = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
+    app = create_app(runs, token=token)
+    names = ", ".join(r.name for r in runs.runs()) or "none yet"
+    print(f"view: {url}", flush=True)
+    print(f"runs: {names}", flush=True)
+    if not args.no_browser and (os.environ.get("DISPLAY") or sys.platform == "darwin"):
+        import webbrowser
+
+        webbrowser.open(url)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+def view_hint(run_dir: str | os.PathLike[str]) -> str:
+    """The command that shows ``run_dir`` in the browser (train and eval print it)."""
+    return f"see it in the browser: areal-agent view {run_dir}"
 
 
 def _envs(args: argparse.Namespace) -> int:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -127,3 +130,48 @@ def qwen_chat_tokenizer():
     from areal_agents.chat import ChatTokenizer
 
     return ChatTokenizer.from_dir(qwen_tokenizer_dir())
+
+
+# ---------------------------------------------------------------------------- real runs
+# The README's main job and an eval of the default model, each run once per test session:
+# tests/core/test_cli.py checks what they write, tests/view browses them.
+EVAL_ARGS = (
+    "eval", "--env", "areal/Calculator-v0", "--env-kwargs", '{"few_shot": 1}',
+    "--episodes", "16", "--k", "4", "--max-tokens", "40", "--max-turns", "3",
+    "--top-p", "0.95", "--top-k", "20",
+)  # fmt: skip
+
+
+@dataclass
+class CliRun:
+    """A finished ``areal-agent`` command: its output directory and what it printed."""
+
+    out: Path
+    proc: subprocess.CompletedProcess[str]
+
+
+def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "areal_agents.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> CliRun:
+    """``areal-agent train --config examples/agents/quickstart.yaml`` (about a minute)."""
+    out = tmp_path_factory.mktemp("runs") / "quickstart"
+    proc = run_cli(
+        "train", "--config", "examples/agents/quickstart.yaml", "--quiet",
+        f"train.output_dir={out}",
+    )  # fmt: skip
+    return CliRun(out, proc)
+
+
+@pytest.fixture(scope="session")
+def eval_run(tmp_path_factory: pytest.TempPathFactory) -> CliRun:
+    """An eval of the default model on the calculator (16 episodes, k = 4) with ``--out``."""
+    out = tmp_path_factory.mktemp("evals") / "calculator-eval"
+    return CliRun(out, run_cli(*EVAL_ARGS, "--out", str(out)))

@@ -69,51 +69,25 @@ def test_serve_smoke_answers_and_records_with_the_default_model():
 
 
 @pytest.mark.slow
-def test_quickstart_train_runs_and_writes_logs_checkpoints_and_final_model(tmp_path):
+def test_quickstart_train_runs_and_writes_logs_checkpoints_and_final_model(quickstart_run):
     """The README's first command, on the default model (about a minute on 2 cores)."""
-    out = cli(
-        "train",
-        "--config",
-        "examples/agents/quickstart.yaml",
-        "--quiet",
-        f"train.output_dir={tmp_path}",
-        timeout=900,
-    )
+    out, run = quickstart_run.proc, quickstart_run.out
     assert out.returncode == 0, out.stderr[-3000:]
-    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
-    assert any((tmp_path / "tensorboard").iterdir())
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-000002"
-    assert (tmp_path / "final" / "config.json").exists()
-    assert (tmp_path / "config.yaml").exists()
+    assert f"areal-agent view {run}" in out.stdout  # where to look at it
+    assert (run / "metrics.jsonl").read_text().count("\n") == 2
+    assert any((run / "tensorboard").iterdir())
+    assert (run / "checkpoints" / "latest").read_text() == "step-000002"
+    assert (run / "final" / "config.json").exists()
+    assert (run / "config.yaml").exists()
+    assert (run / "episodes.db").exists()
 
 
 @pytest.mark.slow
-def test_eval_on_the_default_model_writes_episodes_and_report(tmp_path):
+def test_eval_on_the_default_model_writes_episodes_and_report(eval_run):
     """`areal-agent eval --env <math id> --episodes 16 --k 4` on CPU with the default model."""
     import json
 
-    out = cli(
-        "eval",
-        "--env",
-        "areal/Calculator-v0",
-        "--env-kwargs",
-        '{"few_shot": 1}',
-        "--episodes",
-        "16",
-        "--k",
-        "4",
-        "--max-tokens",
-        "40",
-        "--max-turns",
-        "3",
-        "--top-p",
-        "0.95",
-        "--top-k",
-        "20",
-        "--out",
-        str(tmp_path),
-        timeout=900,
-    )
+    out, tmp_path = eval_run.proc, eval_run.out
     assert out.returncode == 0, out.stderr[-3000:]
     for words in (
         "success rate",
@@ -133,6 +107,7 @@ def test_eval_on_the_default_model_writes_episodes_and_report(tmp_path):
     first = json.loads(rows[0])
     assert first["completions"] and first["completions"][0]["output_ids"]
     assert first["group_id"].startswith("task-")
+    assert (tmp_path / "episodes.db").exists()  # the same episodes in a store (areal-agent view)
 
 
 def test_demos_writes_chat_jsonl_for_the_warm_start(tmp_path):

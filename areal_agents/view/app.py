@@ -1,0 +1,451 @@
+"""The web app of ``areal-agent view``: server-rendered pages (Jinja2) over the runs of a
+:class:`~areal_agents.view.sources.RunSet`, plus the small JSON API the pages poll for live
+updates.
+
+Pages::
+
+    /                                        runs: status, steps, elapsed, latest metrics
+    /runs/NAME                               dashboard (plotly charts), config, checkpoints;
+                                             an eval output's report tables
+    /runs/NAME/episodes?filters              episode browser (filters, full-text search)
+    /runs/NAME/episodes/SID                  one episode: conversation, tool calls, tree
+    /runs/NAME/episodes/SID/tokens/CID       one completion's tokens, coloured
+    /runs/NAME/groups/GID                    a group's episodes side by side
+    /compare?a=NAME&b=NAME                   two eval outputs on the same tasks
+
+JSON (for live updates): ``/api/runs``, ``/api/runs/NAME/metrics``,
+``/api/runs/NAME/count`` (the browser's matching episodes).
+
+With a ``token``, every request needs it: ``?token=T`` once (it is then kept in a cookie)
+or the header ``Authorization: Bearer T``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib.util
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+from ..errors import ConfigError
+from . import queries
+from .sources import Run, RunSet
+
+HERE = Path(__file__).parent
+COOKIE = "areal_view_token"
+
+CHARTS: list[tuple[str, str, list[str]]] = [
+    ("reward_mean", "Reward (mean per episode)", ["reward_mean"]),
+    ("success_rate", "Success rate", ["success_rate"]),
+    ("eval", "Held-out evaluation", ["eval/*"]),
+    ("kl", "KL", ["loss/kl", "loss/approx_kl"]),
+    ("entropy", "Entropy", ["entropy"]),
+    ("clip_fraction", "Clip fraction", ["loss/clip_fraction", "loss/behaviour_clip_fraction"]),
+    ("staleness", "Staleness (episodes per policy-version lag)", ["histograms.staleness"]),
+    ("tokens_per_s", "Tokens per second", ["gen_tokens_per_s", "train_tokens_per_s"]),
+    ("merge_rate", "Merge rate", ["merge_rate"]),
+    ("dropped", "Dropped episodes by reason (run totals)", ["dropped/*"]),
+    ("loss", "Loss and gradient norm", ["loss", "grad_norm"]),
+]
+"""The dashboard's charts: ``(key, title, metric names; "prefix/*" takes every metric of
+that prefix, "histograms.staleness" the staleness histogram)``."""
+
+LATEST_KEYS = [
+    "reward_mean",
+    "success_rate",
+    "loss",
+    "entropy",
+    "loss/approx_kl",
+    "loss/clip_fraction",
+    "staleness_mean",
+    "gen_tokens_per_s",
+    "train_tokens_per_s",
+    "merge_rate",
+    "version",
+    "elapsed_s",
+]
+
+
+def plotly_js() -> Path | None:
+    """plotly.min.js of the installed ``plotly`` package (its ``package_data``)."""
+    spec = importlib.util.find_spec("plotly")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "package_data" / "plotly.min.js"
+    return path if path.exists() else None
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "–"
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 10 ** (-digits)):
+            return f"{value:.{digits}g}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, int | float):
+        return "–"
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.1f} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {(s % 3600) // 60:02d} min"
+
+
+def _ago(ts: Any) -> str:
+    if not isinstance(ts, int | float):
+        return "–"
+    return _duration(max(0.0, time.time() - ts)) + " ago"
+
+
+def _when(ts: Any) -> str:
+    if not isinstance(ts, int | float):
+        return "–"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> FastAPI:
+    """The view's FastAPI app over ``sources`` (see :mod:`areal_agents.view.sources`)."""
+    runs = sources if isinstance(sources, RunSet) else RunSet(list(sources))
+    env = Environment(
+        loader=FileSystemLoader(HERE / "templates"),
+        autoescape=select_autoescape(["html"]),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["fmt"] = _fmt
+    env.filters["duration"] = _duration
+    env.filters["ago"] = _ago
+    env.filters["when"] = _when
+    env.filters["pretty_json"] = queries.pretty_json
+    env.globals["SORTS"] = queries.SORTS
+
+    app = FastAPI(title="areal-agent view", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runs = runs
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+
+    def page(request: Request, name: str, status_code: int = 200, **ctx: Any) -> HTMLResponse:
+        html = env.get_template(name).render(request=request, runs_all=runs.runs(), **ctx)
+        return HTMLResponse(html, status_code=status_code)
+
+    def error(request: Request, status: int, title: str, message: str) -> HTMLResponse:
+        return page(request, "error.html", status, title=title, message=message)
+
+    if token:
+
+        @app.middleware("http")
+        async def check_token(request: Request, call_next: Any) -> Response:
+            given = request.query_params.get("token") or request.cookies.get(COOKIE) or ""
+            auth = request.headers.get("authorization", "")
+            if auth.lower().startswith("bearer "):
+                given = auth[7:]
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return HTMLResponse(
+                    "<h1>401</h1><p>This view needs its token: open the URL that "
+                    "<code>areal-agent view</code> printed (it ends in <code>?token=...</code>)."
+                    "</p>",
+                    status_code=401,
+                )
+            response: Response = await call_next(request)
+            if request.query_params.get("token"):
+                response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+            return response
+
+    def run_or_404(name: str) -> Run:
+        run = runs.get(name)
+        if run is None:
+            raise HTTPException(404, f"no run named {name!r}")
+        return run
+
+    async def store_of(run: Run) -> Any:
+        try:
+            return await asyncio.to_thread(run.store)
+        except ConfigError as exc:
+            raise HTTPException(500, str(exc)) from exc
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
+        titles = {404: "Not found", 500: "Cannot read this run"}
+        return error(
+            request, exc.status_code, titles.get(exc.status_code, "Error"), str(exc.detail)
+        )
+
+    # ------------------------------------------------------------------ pages
+    @app.get("/vendor/plotly.min.js", include_in_schema=False)
+    async def plotly() -> Response:
+        path = plotly_js()
+        if path is None:
+            raise HTTPException(404, "plotly is not installed: pip install plotly")
+        return FileResponse(
+            path, media_type="text/javascript", headers={"Cache-Control": "max-age=86400"}
+        )
+
+    @app.get("/", response_class=HTMLResponse)
+    async def runs_page(request: Request) -> HTMLResponse:
+        rows = [(r, await asyncio.to_thread(r.status)) for r in runs.runs()]
+        return page(request, "runs.html", rows=rows, latest_keys=LATEST_KEYS[:6])
+
+    @app.get("/runs/{name}", response_class=HTMLResponse)
+    async def run_page(request: Request, name: str) -> HTMLResponse:
+        run = run_or_404(name)
+        status = await asyncio.to_thread(run.status)
+        names = await asyncio.to_thread(run.metric_names)
+        others = [r.name for r in runs.runs() if r.name != name and r.kind == "train"]
+        overlay = [o for o in request.query_params.get("overlay", "").split(",") if o in others]
+        latest = [(k, status["latest"].get(k)) for k in LATEST_KEYS if k in status["latest"]]
+        return page(
+            request,
+            "run.html",
+            run=run,
+            status=status,
+            charts=CHARTS,
+            metric_names=names,
+            latest=latest,
+            others=others,
+            overlay=overlay,
+            report=run.report(),
+            checkpoints=run.checkpoints(),
+            tensorboard=run.tensorboard_dir(),
+            has_store=run.store_location() is not None,
+            store_hint=run.missing_store_hint(),
+        )
+
+    @app.get("/runs/{name}/episodes", response_class=HTMLResponse)
+    async def episodes_page(request: Request, name: str) -> HTMLResponse:
+        run = run_or_404(name)
+        store = await store_of(run)
+        if store is None:
+            return error(request, 404, "No episodes", run.missing_store_hint())
+        params = dict(request.query_params)
+        filters, problems = queries.Filters.parse(params)
+        try:
+            page_no = max(1, int(params.get("page") or 1))
+        except ValueError:
+            problems.append(f"page: expected a number, got {params.get('page')!r}")
+            page_no = 1
+        total, rows = await asyncio.to_thread(queries.list_episodes, store, filters, page_no)
+        facets = await asyncio.to_thread(queries.facets, store)
+        pages = max(1, math.ceil(total / queries.PAGE_SIZE))
+        return page(
+            request,
+            "episodes.html",
+            run=run,
+            filters=filters,
+            problems=problems,
+            total=total,
+            rows=rows,
+            facets=facets,
+            page_no=page_no,
+            pages=pages,
+        )
+
+    @app.get("/runs/{name}/episodes/{sid}", response_class=HTMLResponse)
+    async def episode_page(request: Request, name: str, sid: str) -> HTMLResponse:
+        run = run_or_404(name)
+        store = await store_of(run)
+        if store is None:
+            return error(request, 404, "No episodes", run.missing_store_hint())
+        detail = await asyncio.to_thread(queries.episode_detail, store, sid, run.gamma)
+        if detail is None:
+            raise HTTPException(404, f"no episode {sid!r} in {name}")
+        return page(request, "episode.html", run=run, d=detail, gamma=run.gamma)
+
+    @app.get("/runs/{name}/episodes/{sid}/tokens/{cid}", response_class=HTMLResponse)
+    async def tokens_page(request: Request, name: str, sid: str, cid: str) -> HTMLResponse:
+        run = run_or_404(name)
+        store = await store_of(run)
+        if store is None:
+            return error(request, 404, "No episodes", run.missing_store_hint())
+        detail = await asyncio.to_thread(queries.episode_detail, store, sid, run.gamma)
+        if detail is None:
+            raise HTTPException(404, f"no episode {sid!r} in {name}")
+        tokenizer = await asyncio.to_thread(run.tokenizer)
+        view = queries.token_rows(detail, cid, tokenizer)
+        if view is None:
+            raise HTTPException(404, f"no completion {cid!r} in episode {sid}")
+        mode = request.query_params.get("color", "logprob")
+        if mode not in COLOR_MODES:
+            mode = "logprob"
+        colour = COLOR_MODES[mode]
+        for t in view["output"]:
+            t["style"] = colour(t, view)
+        return page(
+            request,
+            "tokens.html",
+            run=run,
+            d=detail,
+            v=view,
+            mode=mode,
+            modes=COLOR_MODES,
+            legend=LEGENDS[mode],
+            has_tokenizer=tokenizer is not None,
+        )
+
+    @app.get("/runs/{name}/groups/{gid}", response_class=HTMLResponse)
+    async def group_page(request: Request, name: str, gid: str) -> HTMLResponse:
+        run = run_or_404(name)
+        store = await store_of(run)
+        if store is None:
+            return error(request, 404, "No episodes", run.missing_store_hint())
+        eps = await asyncio.to_thread(queries.group_episodes, store, gid, run.gamma)
+        if not eps:
+            raise HTTPException(404, f"no group {gid!r} in {name}")
+        return page(request, "group.html", run=run, gid=gid, eps=eps)
+
+    @app.get("/compare", response_class=HTMLResponse)
+    async def compare_page(request: Request) -> HTMLResponse:
+        a, b = request.query_params.get("a", ""), request.query_params.get("b", "")
+        evals = [r.name for r in runs.runs() if r.store_location() is not None]
+        if not a or not b:
+            return page(request, "compare.html", evals=evals, a=a, b=b, rows=None)
+        ra, rb = run_or_404(a), run_or_404(b)
+        sa_, sb = await store_of(ra), await store_of(rb)
+        if sa_ is None or sb is None:
+            missing = ra if sa_ is None else rb
+            return error(request, 404, "No episodes", missing.missing_store_hint())
+        ta = await asyncio.to_thread(queries.episodes_by_task, sa_)
+        tb = await asyncio.to_thread(queries.episodes_by_task, sb)
+        rows = []
+        for task in sorted(set(ta) & set(tb)):
+            rows.append({"task": task, "a": _summary(ta[task]), "b": _summary(tb[task])})
+        only = (len(set(ta) - set(tb)), len(set(tb) - set(ta)))
+        return page(
+            request,
+            "compare.html",
+            evals=evals,
+            a=a,
+            b=b,
+            rows=rows,
+            only=only,
+            reports=(ra.report(), rb.report()),
+        )
+
+    # ------------------------------------------------------------------ JSON
+    @app.get("/api/runs")
+    async def api_runs() -> dict[str, Any]:
+        out = []
+        for r in runs.runs():
+            st = await asyncio.to_thread(r.status)
+            out.append({"name": r.name, "kind": r.kind, **st})
+        return {"runs": out}
+
+    @app.get("/api/runs/{name}/metrics")
+    async def api_metrics(name: str) -> dict[str, Any]:
+        run = run_or_404(name)
+        rows = await asyncio.to_thread(run.metrics)
+        return {"name": name, "rows": rows}
+
+    @app.get("/api/runs/{name}/count")
+    async def api_count(request: Request, name: str) -> dict[str, Any]:
+        run = run_or_404(name)
+        store = await store_of(run)
+        if store is None:
+            return {"total": 0}
+        filters, _ = queries.Filters.parse(dict(request.query_params))
+        total, _rows = await asyncio.to_thread(queries.list_episodes, store, filters, 1, 1)
+        return {"total": total}
+
+    @app.on_event("shutdown")
+    async def close() -> None:
+        runs.close()
+
+    return app
+
+
+def _summary(eps: list[dict[str, Any]]) -> dict[str, Any]:
+    rewards = [e["reward"] for e in eps]
+    wins = [e["success"] for e in eps if e["success"] is not None]
+    return {
+        "n": len(eps),
+        "reward": sum(rewards) / len(rewards) if rewards else None,
+        "success": (sum(1 for w in wins if w), len(wins)),
+        "episodes": eps,
+    }
+
+
+# ---------------------------------------------------------------------------- token colours
+def _by_logprob(t: dict[str, Any], v: dict[str, Any]) -> str:
+    lp = t["logprob"]
+    if lp is None:
+        return "background:#eee"
+    p = math.exp(max(-30.0, min(0.0, lp)))
+    return f"background:hsl({round(120 * p)},75%,{round(82 - 8 * p)}%)"
+
+
+def _by_weight(t: dict[str, Any], v: dict[str, Any]) -> str:
+    w = t["weight"]
+    if w is None:
+        return "background:#eee;color:#777"
+    x = max(-1.0, min(1.0, math.log2(w) if w > 0 else -1.0))
+    hue = 215 if x < 0 else 28
+    light = round(96 - 36 * abs(x))
+    style = f"background:hsl({hue},85%,{light}%)"
+    if t["clipped"]:
+        style += ";outline:2px solid #c62828;outline-offset:-2px"
+    if t["behaviour_clipped"]:
+        style += ";text-decoration:line-through"
+    return style
+
+
+PALETTE = ["#c8e6c9", "#fff59d", "#ffcc80", "#ef9a9a", "#ce93d8"]
+
+
+def _by_version(t: dict[str, Any], v: dict[str, Any]) -> str:
+    ver = t["version"]
+    if ver is None:
+        return "background:#eee"
+    ref = v["trained_version"]
+    if ref is None:
+        ref = max((x["version"] for x in v["output"] if x["version"] is not None), default=ver)
+    lag = max(0, ref - ver)
+    return f"background:{PALETTE[min(lag, len(PALETTE) - 1)]}"
+
+
+COLOR_MODES = {
+    "logprob": _by_logprob,
+    "weight": _by_weight,
+    "version": _by_version,
+}
+LEGENDS = {
+    "logprob": {
+        "title": "probability of the sampled token (exp logprob)",
+        "gradient": "linear-gradient(90deg,hsl(0,75%,82%),hsl(60,75%,78%),hsl(120,75%,74%))",
+        "labels": ["0", "0.5", "1"],
+        "notes": ["grey: no logprob recorded"],
+    },
+    "weight": {
+        "title": "behaviour importance weight w = π_prox / π_behav (log scale)",
+        "gradient": "linear-gradient(90deg,hsl(215,85%,60%),hsl(215,85%,96%),hsl(28,85%,60%))",
+        "labels": ["≤ 0.5", "1", "≥ 2"],
+        "notes": [
+            "red outline: the ratio π_θ / π_prox was clipped",
+            "struck through: w over its cap (clipped or masked)",
+            "grey: not trained (no trainer record)",
+        ],
+    },
+    "version": {
+        "title": "policy versions behind the version trained from (staleness)",
+        "swatches": [(str(i) if i < 4 else "4+", c) for i, c in enumerate(PALETTE)],
+        "notes": ["grey: no version recorded"],
+    },
+}
