@@ -155,8 +155,11 @@ class TextConfig(_Wire):
 
 
 class ReasoningConfig(_Wire):
-    effort: str | None = None
-    summary: str | None = None
+    """``reasoning``: echoed in the response, so only the values OpenAI's ``Reasoning`` type
+    accepts are taken (anything else is a 400 naming the field)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(_Wire):
