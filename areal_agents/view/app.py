@@ -181,6 +181,17 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
         except ConfigError as exc:
             raise HTTPException(500, str(exc)) from exc
 
+    async def episode_store(run: Run) -> Any:
+        """The run's store; a run without one gets the "No episodes" page (``_NoStore``)."""
+        store = await store_of(run)
+        if store is None:
+            raise _NoStore(run)
+        return store
+
+    @app.exception_handler(_NoStore)
+    async def no_store(request: Request, exc: _NoStore) -> Response:
+        return error(request, 404, "No episodes", exc.run.missing_store_hint())
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         if request.url.path.startswith("/api/"):
@@ -233,9 +244,7 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
     @app.get("/runs/{name}/episodes", response_class=HTMLResponse)
     async def episodes_page(request: Request, name: str) -> HTMLResponse:
         run = run_or_404(name)
-        store = await store_of(run)
-        if store is None:
-            return error(request, 404, "No episodes", run.missing_store_hint())
+        store = await episode_store(run)
         params = dict(request.query_params)
         filters, problems = queries.Filters.parse(params)
         try:
@@ -262,9 +271,7 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
     @app.get("/runs/{name}/episodes/{sid}", response_class=HTMLResponse)
     async def episode_page(request: Request, name: str, sid: str) -> HTMLResponse:
         run = run_or_404(name)
-        store = await store_of(run)
-        if store is None:
-            return error(request, 404, "No episodes", run.missing_store_hint())
+        store = await episode_store(run)
         detail = await asyncio.to_thread(queries.episode_detail, store, sid, run.gamma)
         if detail is None:
             raise HTTPException(404, f"no episode {sid!r} in {name}")
@@ -273,9 +280,7 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
     @app.get("/runs/{name}/episodes/{sid}/tokens/{cid}", response_class=HTMLResponse)
     async def tokens_page(request: Request, name: str, sid: str, cid: str) -> HTMLResponse:
         run = run_or_404(name)
-        store = await store_of(run)
-        if store is None:
-            return error(request, 404, "No episodes", run.missing_store_hint())
+        store = await episode_store(run)
         detail = await asyncio.to_thread(queries.episode_detail, store, sid, run.gamma)
         if detail is None:
             raise HTTPException(404, f"no episode {sid!r} in {name}")
@@ -304,9 +309,7 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
     @app.get("/runs/{name}/groups/{gid}", response_class=HTMLResponse)
     async def group_page(request: Request, name: str, gid: str) -> HTMLResponse:
         run = run_or_404(name)
-        store = await store_of(run)
-        if store is None:
-            return error(request, 404, "No episodes", run.missing_store_hint())
+        store = await episode_store(run)
         eps = await asyncio.to_thread(queries.group_episodes, store, gid, run.gamma)
         if not eps:
             raise HTTPException(404, f"no group {gid!r} in {name}")
@@ -319,10 +322,7 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
         if not a or not b:
             return page(request, "compare.html", evals=evals, a=a, b=b, rows=None)
         ra, rb = run_or_404(a), run_or_404(b)
-        sa_, sb = await store_of(ra), await store_of(rb)
-        if sa_ is None or sb is None:
-            missing = ra if sa_ is None else rb
-            return error(request, 404, "No episodes", missing.missing_store_hint())
+        sa_, sb = await episode_store(ra), await episode_store(rb)
         ta = await asyncio.to_thread(queries.episodes_by_task, sa_)
         tb = await asyncio.to_thread(queries.episodes_by_task, sb)
         rows = []
@@ -370,6 +370,14 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
         runs.close()
 
     return app
+
+
+class _NoStore(Exception):
+    """A page that needs episodes, of a run that has no store."""
+
+    def __init__(self, run: Run) -> None:
+        super().__init__(run.name)
+        self.run = run
 
 
 def _summary(eps: list[dict[str, Any]]) -> dict[str, Any]:
