@@ -855,10 +855,15 @@ def _rebuild(rows: Any, bases: dict[str, PromptBase]) -> Iterator[Completion]:
         messages = json.loads(r["messages_suffix"])
         if r["base_seq"] is not None:
             base = built[r["base_seq"]]
-            if r["base_tokens"]:
-                prompt = [*(base.prompt_ids + base.output_ids)[: r["base_tokens"]], *prompt]
-            if r["base_messages"]:
-                messages = [*[*base.messages, base.message][: r["base_messages"]], *messages]
+            if k := r["base_tokens"]:  # one copy of the shared prefix (long episodes)
+                bp = base.prompt_ids
+                head = bp[:k] if k <= len(bp) else bp + base.output_ids[: k - len(bp)]
+                head.extend(prompt)
+                prompt = head
+            if m := r["base_messages"]:
+                bm = base.messages
+                carried = bm[:m] if m <= len(bm) else [*bm, base.message]
+                messages = carried + messages
         tools = built[-1].tools if r["tools_as_previous"] and built else None
         if not r["tools_as_previous"]:
             tools = json.loads(r["tools"]) if r["tools"] is not None else None

@@ -122,6 +122,14 @@ def _when(ts: Any) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
+# An episode of more than LONG_EPISODE completions shows its first EPISODE_HEAD and last
+# EPISODE_TAIL, and a link to the rest (?turns=all): a 150-turn page stays quick to render
+# and to read; the completion tree always lists every completion.
+LONG_EPISODE = 50
+EPISODE_HEAD = 20
+EPISODE_TAIL = 20
+
+
 def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> FastAPI:
     """The view's FastAPI app over ``sources`` (see :mod:`areal_agents.view.sources`)."""
     runs = sources if isinstance(sources, RunSet) else RunSet(list(sources))
@@ -275,7 +283,10 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
         detail = await asyncio.to_thread(queries.episode_detail, store, sid, run.gamma)
         if detail is None:
             raise HTTPException(404, f"no episode {sid!r} in {name}")
-        return page(request, "episode.html", run=run, d=detail, gamma=run.gamma)
+        n = len(detail["completions"])
+        everything = request.query_params.get("turns") == "all" or n <= LONG_EPISODE
+        hidden = range(0) if everything else range(EPISODE_HEAD, n - EPISODE_TAIL)
+        return page(request, "episode.html", run=run, d=detail, gamma=run.gamma, hidden=hidden)
 
     @app.get("/runs/{name}/episodes/{sid}/tokens/{cid}", response_class=HTMLResponse)
     async def tokens_page(request: Request, name: str, sid: str, cid: str) -> HTMLResponse:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ..store import completions, sessions
-from ..trajectory import merge_decisions, prompt_base
+from ..trajectory import merge_decisions, message_key, prompt_base
 
 if TYPE_CHECKING:
     from ..store import EpisodeStore
@@ -367,7 +367,19 @@ def episode_detail(store: EpisodeStore, session_id: str, gamma: float) -> dict[s
     items = []
     for i, c in enumerate(ep.completions):
         base = ep.bases.get(c.id) or prompt_base(ep.completions[:i], c)
-        new_messages = c.messages[base.messages :] if base.index is not None else c.messages
+        carried = base.messages if base.index is not None else 0
+        new_messages = c.messages[carried:]
+        base_c = ep.completions[base.index] if base.index is not None else None
+        # the base's reply, sent back in this request in the client's own spelling (call ids,
+        # null fields): it is shown once, as the base's reply
+        if (
+            base_c is not None
+            and new_messages
+            and base.messages == len(base_c.messages)
+            and message_key(new_messages[0]) == message_key(base_c.message)
+        ):
+            new_messages = new_messages[1:]
+            carried += 1
         rec = records.get(c.id)
         versions = c.output_versions
         v_min = min(versions) if versions else None
@@ -381,7 +393,7 @@ def episode_detail(store: EpisodeStore, session_id: str, gamma: float) -> dict[s
                 "new_messages": [
                     {**m, "text": message_text(m), "calls": _tool_calls(m)} for m in new_messages
                 ],
-                "base_messages": base.messages if base.index is not None else 0,
+                "base_messages": carried,
                 "reply": {
                     **c.message,
                     "text": message_text(c.message),

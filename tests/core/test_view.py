@@ -196,6 +196,70 @@ def test_episode_page_shows_the_recorded_calls_rewards_and_returns(run_dir: Path
     assert group.count('class="group-episode') == 4
 
 
+def _long_episode(sid: str, turns: int) -> Episode:
+    """``turns`` calculator calls in a row; each request sends the previous reply back in
+    the client's own spelling (its own call id and a ``refusal: null``), as SDKs do."""
+    system = {"role": "system", "content": "You are a careful calculator agent."}
+    messages: list[dict] = [system, {"role": "user", "content": "Add the numbers up."}]
+    prompt = list(range(100, 110))
+    completions: list[Completion] = []
+    for i in range(turns):
+        reply = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": f"call-{i}",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": f'{{"expression": "{i}+1"}}'},
+                }
+            ],
+        }
+        c = _completion(i, list(messages), reply, list(prompt), tag=sid)
+        if completions:
+            c.parent_id = completions[-1].id
+        completions.append(c)
+        resent = {
+            **reply,
+            "refusal": None,
+            "tool_calls": [{**reply["tool_calls"][0], "id": f"x{i}"}],
+        }
+        messages += [resent, {"role": "tool", "tool_call_id": f"x{i}", "content": str(i + 1)}]
+        prompt += [*c.output_ids, 120 + i % 50]
+    ep = Episode(sid, completions=completions, group_id="long", task_id="long")
+    ep.ended, ep.end_reason = True, "terminated"
+    return ep
+
+
+def test_a_long_episode_shows_each_call_once_and_its_ends_first(tmp_path: Path) -> None:
+    run = tmp_path / "long"
+    run.mkdir()
+    store = EpisodeStore(run / "episodes.db")
+    _write(store, [_long_episode("sess-long", 60), _long_episode("sess-short", 5)])
+    store.close()
+    c = TestClient(create_app([run]))
+
+    def calls(html: str) -> list[str]:
+        return [
+            json.loads(a.replace("&#34;", '"'))["expression"]
+            for a in re.findall(r'<pre class="tool-args"[^>]*>([^<]*)</pre>', html)
+        ]
+
+    short = c.get("/runs/long/episodes/sess-short").text
+    assert calls(short) == [f"{i}+1" for i in range(5)]  # the resent replies are not repeated
+    assert "hidden-turns" not in short
+    html = c.get("/runs/long/episodes/sess-long").text
+    shown = re.findall(r'<section class="completion" id="c(\d+)"', html)
+    assert [int(i) for i in shown] == [*range(20), *range(40, 60)]
+    assert calls(html) == [f"{i}+1" for i in [*range(20), *range(40, 60)]]
+    assert 'data-hidden="20"' in html and 'href="?turns=all#c20"' in html
+    assert html.count("<li data-completion") == 60  # the tree has every completion
+    assert 'href="?turns=all#c33"' in html and 'href="#c45"' in html
+    full = c.get("/runs/long/episodes/sess-long?turns=all").text
+    assert calls(full) == [f"{i}+1" for i in range(60)]
+    assert "hidden-turns" not in full
+
+
 def test_runs_page_and_dashboard(run_dir: Path, tmp_path: Path) -> None:
     c = TestClient(create_app([run_dir.parent]))
     html = c.get("/").text
