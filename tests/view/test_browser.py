@@ -243,6 +243,9 @@ def test_dashboard_charts_the_recorded_metrics(browser, view, runs, shots, which
     traces = plotted(browser, "reward_mean")
     want = ([r["step"] for r in rows], [r["reward_mean"] for r in rows])
     assert any((t["x"], t["y"]) == want for t in traces), traces
+    chart = one(browser, 'div.chart[data-metric="reward_mean"]')
+    ticks = [t.text for t in chart.find_elements(By.CSS_SELECTOR, "g.xtick text")]
+    assert ticks and len(ticks) == len(set(ticks)), ticks  # whole steps, each once
     config = one(browser, "#config").text
     assert config.split() == (run / "config.yaml").read_text().split()
     latest = one(browser, "#latest-metrics").text

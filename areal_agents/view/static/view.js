@@ -82,15 +82,18 @@ const areal = (() => {
     const xsel = document.getElementById("xaxis");
     const osel = document.getElementById("overlay");
     const charts = [...document.querySelectorAll("div.chart[data-metric]")];
-    const layout = (xkey) => ({ margin: { l: 48, r: 12, t: 8, b: 36 }, height: 240,
+    // few steps: one tick per step (an automatic 0.5 spacing would print "0 1 1 2 2")
+    const layout = (xkey, last) => ({ margin: { l: 48, r: 12, t: 8, b: 36 }, height: 240,
       xaxis: { title: { text: xkey === "step" ? "step" : "seconds" }, zeroline: false,
-        tickformat: xkey === "step" ? "d" : "", rangemode: "tozero" },
+        tickformat: xkey === "step" ? "d" : "", rangemode: "tozero",
+        ...(xkey === "step" && last <= 12 ? { dtick: 1 } : {}) },
       yaxis: { zeroline: false, exponentformat: "e" }, legend: { orientation: "h", y: -0.25, font: { size: 11 } },
       font: { size: 11 }, paper_bgcolor: "#fff", plot_bgcolor: "#fff" });
     const draw = async () => {
       const xkey = xsel ? xsel.value : "step";
       const names = [run, ...(osel ? [...osel.selectedOptions].map((o) => o.value) : overlay)];
       const data = await Promise.all(names.map((n) => getJSON(`/api/runs/${encodeURIComponent(n)}/metrics`)));
+      const last = Math.max(0, ...data.flatMap((d) => d.rows.map((r) => r.step || 0)));
       for (const el of charts) {
         const spec = JSON.parse(el.dataset.series);
         const traces = data.flatMap((d, i) => tracesFor(d.name, d.rows, spec, xkey, i, names.length > 1));
@@ -101,7 +104,7 @@ const areal = (() => {
           continue;
         }
         if (!el.dataset.drawn) el.innerHTML = "";
-        Plotly.react(el, traces, layout(xkey), { displaylogo: false, responsive: true,
+        Plotly.react(el, traces, layout(xkey, last), { displaylogo: false, responsive: true,
           modeBarButtonsToRemove: ["lasso2d", "select2d"] });
         el.dataset.drawn = "1";
       }
