@@ -29,7 +29,6 @@ the proxy is never blocked by a forward pass.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import queue
@@ -43,6 +42,7 @@ from typing import Any
 
 import torch
 
+from . import spans
 from .engine import GenerateResult, SamplingParams, WeightUpdate
 from .errors import BackendError, ContextOverflow, UserError
 from .hardware import default_device, resolve_dtype
@@ -148,7 +148,7 @@ class EmbeddedEngine:
         self._cache_kwarg = _cache_kwarg(model)
         # Shared with a trainer in the same process on CPU: two OpenMP teams on the same
         # cores slow both down many times over, so forward passes take turns.
-        self._compute = compute_lock or contextlib.nullcontext()
+        self._compute = spans.TimedLock(compute_lock, "engine")
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._commands: queue.Queue[tuple[str, Any, asyncio.Future[Any], Any]] = queue.Queue()
         self._wake = threading.Event()
@@ -320,7 +320,9 @@ class EmbeddedEngine:
                         continue
                     self._admit()
                     if self._active:
+                        t0 = time.perf_counter()
                         self._decode_step()
+                        spans.add("engine", "decode", t0, time.perf_counter())
         except BaseException as exc:  # the worker must report, never die silently
             log.exception("embedded engine worker failed")
             self._error = exc
@@ -357,7 +359,8 @@ class EmbeddedEngine:
                 elif name == "abort":
                     value = self._abort_all()
                 else:
-                    value = self._apply_update(arg)
+                    with spans.span("engine", "weight_update"):
+                        value = self._apply_update(arg)
                 loop.call_soon_threadsafe(_set_result, fut, value)
             except Exception as exc:
                 loop.call_soon_threadsafe(_set_exception, fut, exc)
@@ -417,7 +420,10 @@ class EmbeddedEngine:
                     req.started = time.perf_counter()
                 jobs.append(_Prefill(req, prefix, hit, kv))
             self._waiting = later
-            for job, cache in zip(jobs, self._prefill_many(jobs), strict=True):
+            again = any(j.req.out_ids for j in jobs)  # requests a weight update interrupted
+            with spans.span("engine", "reprefill" if again else "prefill", rows=len(jobs)):
+                caches = self._prefill_many(jobs)
+            for job, cache in zip(jobs, caches, strict=True):
                 self._join(job.req, cache, len(job.prefix))
 
     def _prefill_many(self, jobs: list[_Prefill]) -> list[Any]:
@@ -489,7 +495,7 @@ class EmbeddedEngine:
             kwargs[self._cache_kwarg] = DynamicCache(ddp_cache_data=past)
         if n > 1 or width:
             kwargs["attention_mask"] = mask.to(dev)
-        with self._compute:
+        with self._compute():
             res = self.model(
                 input_ids=ids.to(dev),
                 position_ids=pos.to(dev),
@@ -554,7 +560,7 @@ class EmbeddedEngine:
         ones = torch.ones(len(self._active), 1, dtype=torch.long)
         self._mask = torch.cat([self._mask, ones], 1)
         positions = (self._mask.sum(1, keepdim=True) - 1).to(self._device)
-        with self._compute:
+        with self._compute():
             out = self._model_step(last, positions)
         self._cache = _cache_of(out)
         tokens, logps, tops = self._sample(out.logits[:, -1, :].float())

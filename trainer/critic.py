@@ -42,8 +42,8 @@ several critic epochs per batch.
 
 from __future__ import annotations
 
-import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from areal_agents import spans
 from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device
 
@@ -151,7 +152,7 @@ class Critic:
         self.schedule = schedule or LrSchedule()
         self.scheduler = self.schedule.scheduler(self.optimizer)
         self.grad_clip = grad_clip
-        self._compute = compute_lock or contextlib.nullcontext()
+        self._compute = spans.TimedLock(compute_lock, "trainer")
 
     def _forward(self, packed: Packed) -> torch.Tensor:
         return self.model(packed.input_ids, packed.position_ids)
@@ -165,7 +166,7 @@ class Critic:
         self.model.eval()
         out: list[torch.Tensor] = [torch.zeros(0)] * len(seqs)
         for packed in self._packs(seqs, micro_batch_tokens):
-            with self._compute:
+            with self._compute("logprobs", model="critic"):
                 v = self._forward(packed or self._dummy())
             for i, s, e in packed.spans if packed is not None else ():
                 out[i] = v[s : e - 1].cpu()
@@ -193,19 +194,25 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         for packed in self._packs(seqs, micro_batch_tokens):
-            with self._compute:
+            with self._compute():  # one turn of the lock; its parts recorded as spans
+                t0 = time.perf_counter()
                 if packed is None:  # enters the collectives; adds nothing to the gradient
                     (self._forward(self._dummy()).sum() * 0.0).backward()
+                    spans.add("trainer", "backward", t0, time.perf_counter(), model="critic")
                     continue
                 v = self._forward(packed)
                 items = [i for i, _, _ in packed.spans]
                 loss, stats = loss_fn(items, [v[s : e - 1] for _, s, e in packed.spans])
+                t1 = time.perf_counter()
                 loss.backward()
+                t2 = time.perf_counter()
+            spans.add("trainer", "forward", t0, t1, model="critic")
+            spans.add("trainer", "backward", t1, t2, model="critic")
             for k, x in stats.items():
                 totals[k] = totals.get(k, 0.0) + float(x)
         if self.sharded:
             totals = fsdp.sum_over_ranks(totals)
-        with self._compute:
+        with self._compute("optimizer", model="critic"):
             grads = list(self.params.values())
             norm = float(fsdp.full_value(torch.nn.utils.clip_grad_norm_(grads, self.grad_clip)))
             if math.isfinite(norm):

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from areal_agents import spans
 from areal_agents.chat import ChatTokenizer
 from areal_agents.embedded import FairLock
 from areal_agents.errors import ConfigError
@@ -171,13 +172,16 @@ class Trainer:
 
     async def _start(self) -> None:
         """Resume from the latest checkpoint, or warm-start; then the engine gets the
-        weights and the source starts producing groups."""
+        weights and the source starts producing groups. The first step's time accounting
+        (``time/*``) starts here, after the models are loaded."""
+        self._t_window = time.perf_counter()
         if self.resume and self._restore():
             self._t_start -= self.state.elapsed_s
             if not self.quiet:
                 print(f"resumed from step {self.state.step}", file=sys.stderr)
         elif self.cfg.sft.enabled:
-            await asyncio.to_thread(self._warm_start)
+            with spans.span("trainer", "warm_start"):
+                await asyncio.to_thread(self._warm_start)
             self._checkpoint()  # step 0: the warm-started model; a resume skips the warm start
         await self.engine.update_weights(self.policy.weight_update(self.state.step))
         await self._engine_counters()  # the start of the first step's engine rates
@@ -313,6 +317,7 @@ class Trainer:
         """Next batch, train step, weight sync, log, checkpoint; until ``train.steps`` or
         ``train.time_limit_min``. Then the final model (LoRA merged) is exported."""
         self._t_start = time.perf_counter()
+        spans.record_to(self.out / "spans.jsonl")  # where the time goes: spans.py
         self._build()
         cfg, st, source = self.cfg, self.state, self.source
         metrics, bar = self._metrics(), self._progress_bar()
@@ -345,6 +350,7 @@ class Trainer:
             await source.close()  # groups in flight end here: a resume redoes them
             bar.close()
             metrics.close()
+            spans.stop()
             await self.engine.close()
         final = self.policy.export(self.out / "final", self.model_path, merge_lora=True)
         summary["final_model"] = str(final)
@@ -357,8 +363,14 @@ class Trainer:
         long that took), the step's metrics, then the source's new version."""
         self._consumed(groups)
         t0 = time.perf_counter()
-        await self.engine.update_weights(self.policy.weight_update(self.state.step))
-        scalars["weight_sync_s"] = time.perf_counter() - t0
+        with spans.span("trainer", "weight_sync", version=self.state.step):
+            await self.engine.update_weights(self.policy.weight_update(self.state.step))
+        now = time.perf_counter()
+        scalars["weight_sync_s"] = now - t0
+        recorder = spans.current()
+        scalars.update(spans.busy_idle(recorder.window(self._t_window, now), self._t_window, now))
+        self._t_window = now
+        recorder.flush()
         metrics.log(self.state.step, scalars, {"staleness": scalars.pop("_staleness")})
         await self.source.set_version(self.state.step)
 

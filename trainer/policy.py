@@ -36,8 +36,8 @@ Left out: tensor/pipeline parallelism, sequence parallelism.
 
 from __future__ import annotations
 
-import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from areal_agents import spans
 from areal_agents.engine import WeightUpdate
 from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device
@@ -373,7 +374,7 @@ class Policy:
         self.share_prefixes = share_prefixes and not attn.startswith("flash")
         self.mask_dtype = self.compute_dtype or next(model.parameters()).dtype
         # Shared with an inference engine in the same process (see EmbeddedEngine).
-        self._compute = compute_lock or contextlib.nullcontext()
+        self._compute = spans.TimedLock(compute_lock, "trainer")
 
     def _placed(self, model: Any, random_init: bool) -> Any:
         """``model`` on the device; sharded: every rank starting from rank 0's randomly
@@ -505,7 +506,7 @@ class Policy:
         self.model.eval()
         out: list[torch.Tensor | None] = [None] * len(seqs)
         for packed in self._padded(self._pack(seqs, micro_batch_tokens, needed)):
-            with self._compute:
+            with self._compute("logprobs"):
                 if packed is None:
                     self._dummy_forward()
                     continue
@@ -556,22 +557,28 @@ class Policy:
         totals: dict[str, float] = {}
         n_micro = 0
         for packed in self._padded(self._pack(seqs, micro_batch_tokens, needed)):
-            with self._compute:
+            with self._compute():  # one turn of the lock; its parts recorded as spans
+                t0 = time.perf_counter()
                 if packed is None:  # enters the collectives; adds nothing to the gradient
                     (self._dummy_forward().sum() * 0.0).backward()
+                    spans.add("trainer", "backward", t0, time.perf_counter(), dummy=True)
                     continue
                 logits = self._forward(packed)
                 logps, ents = self._per_item(logits, packed, temperature, True, entropy_grad)
                 loss, stats = loss_fn(packed.items, logps, ents)
+                t1 = time.perf_counter()
                 loss.backward()
                 del logits, logps, ents, loss  # not held through the optimizer step
+                t2 = time.perf_counter()
+            spans.add("trainer", "forward", t0, t1, tokens=int(packed.input_ids.shape[1]))
+            spans.add("trainer", "backward", t1, t2)
             n_micro += 1
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         totals["micro_batches"] = n_micro
         if self.sharded:
             totals = fsdp.sum_over_ranks(totals)
-        with self._compute:
+        with self._compute("optimizer"):
             norm = float(
                 fsdp.full_value(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
             )

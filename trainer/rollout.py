@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from areal_agents import spans
 from areal_agents.errors import ConfigError, SessionError
 from areal_agents.runner import EpisodeResult, Runner
 
@@ -185,7 +186,10 @@ class GroupSource:
     async def _produce(self) -> None:
         assert self.gate is not None
         while True:
+            t0 = time.perf_counter()
             await self.gate.acquire()
+            if (t1 := time.perf_counter()) - t0 > 1e-3:  # it waited: the gate was full
+                spans.add("rollout", "gate_full", t0, t1)
             if self._redo:
                 g = self._redo.pop(0)
             else:
@@ -212,7 +216,7 @@ class GroupSource:
         s = self.settings
         assert self.gate is not None
         k = s.probe_size
-        results = await self.episodes(g, k or s.group_size, 0)
+        results = await self._timed_episodes(g, k or s.group_size, 0)
         probed_out = False
         if k:
             probe = _usable(results)
@@ -220,13 +224,25 @@ class GroupSource:
             if probed_out:
                 self.dropped["uniform_probe"] += 1
             else:
-                results += await self.episodes(g, s.group_size - k, k)
+                results += await self._timed_episodes(g, s.group_size - k, k)
         if s.redo_lost and any(r.end_reason == "agent_lost" for r in results):
             self._count_failures(results)
             self._redo.append(g)  # generated again; the gate admits it like a new group
             await self.gate.finish(accepted=False)
             return
         await self._settle(g, results, probed_out)
+
+    async def _timed_episodes(self, g: int, n: int, first: int) -> list[EpisodeResult]:
+        """:meth:`episodes`, recorded as spans: one per episode (lane ``episodes``) and the
+        ``group_tail``, from the first of them to finish to the last."""
+        t0 = time.perf_counter()
+        results = await self.episodes(g, n, first)
+        ends = [t0 + max(r.duration_s, 0.0) for r in results]
+        for r, end in zip(results, ends, strict=True):
+            spans.add("episodes", "episode", t0, end, group=g, reward=r.reward)
+        if ends:
+            spans.add("rollout", "group_tail", min(ends), max(ends), group=g)
+        return results
 
     def _count_failures(self, results: list[EpisodeResult]) -> None:
         for r in results:

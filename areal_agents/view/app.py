@@ -54,9 +54,11 @@ CHARTS: list[tuple[str, str, list[str]]] = [
     ("merge_rate", "Merge rate", ["merge_rate"]),
     ("dropped", "Dropped episodes by reason (run totals)", ["dropped/*"]),
     ("loss", "Loss and gradient norm", ["loss", "grad_norm"]),
+    ("busy", "Busy share of each step", ["time/busy", "time/busy_engine", "time/busy_trainer"]),
+    ("idle", "Idle seconds of each step by cause", ["time/idle_*"]),
 ]
-"""The dashboard's charts: ``(key, title, metric names; "prefix/*" takes every metric of
-that prefix, "histograms.staleness" the staleness histogram)``."""
+"""The dashboard's charts: ``(key, title, metric names; "prefix*" takes every metric whose
+name starts with prefix, "histograms.staleness" the staleness histogram)``."""
 
 LATEST_KEYS = [
     "reward_mean",
@@ -69,6 +71,7 @@ LATEST_KEYS = [
     "gen_tokens_per_s",
     "train_tokens_per_s",
     "merge_rate",
+    "time/busy",
     "version",
     "elapsed_s",
 ]

@@ -252,7 +252,7 @@ def test_dashboard_charts_the_recorded_metrics(browser, view, runs, shots, which
     assert "reward_mean" in latest
     assert fmt_variants(rows[-1]["reward_mean"]) & set(latest.split()), latest
     if which == "quickstart":
-        for metric in ("entropy", "loss"):  # recorded by every training step
+        for metric in ("entropy", "loss", "busy", "idle"):  # recorded by every training step
             wait_drawn(browser, metric)
         shot(browser, shots, "dashboard.png")
     one(browser, "a#episodes-link").click()

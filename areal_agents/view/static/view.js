@@ -45,7 +45,7 @@ const areal = (() => {
   function seriesOf(spec, names) {
     const out = [];
     for (const s of spec) {
-      if (s.endsWith("/*")) {
+      if (s.endsWith("*")) {
         const prefix = s.slice(0, -1);
         for (const n of names) if (n.startsWith(prefix)) out.push(n);
       } else if (s === "histograms.staleness" || names.has(s)) out.push(s);
