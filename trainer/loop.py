@@ -45,6 +45,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import random
 import sys
 import time
@@ -82,6 +83,9 @@ from .rollout import Group, build_rollout
 from .schedule import LrSchedule
 
 log = logging.getLogger(__name__)
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+"""The cores this process may run on: ``time/cpu`` is its CPU time over wall time x CORES."""
 ENGINE_COUNTERS = (
     "prefills",
     "prefill_tokens",
@@ -174,7 +178,7 @@ class Trainer:
         """Resume from the latest checkpoint, or warm-start; then the engine gets the
         weights and the source starts producing groups. The first step's time accounting
         (``time/*``) starts here, after the models are loaded."""
-        self._t_window = time.perf_counter()
+        self._t_window, self._cpu_window = time.perf_counter(), time.process_time()
         if self.resume and self._restore():
             self._t_start -= self.state.elapsed_s
             if not self.quiet:
@@ -369,7 +373,9 @@ class Trainer:
         scalars["weight_sync_s"] = now - t0
         recorder = spans.current()
         scalars.update(spans.busy_idle(recorder.window(self._t_window, now), self._t_window, now))
-        self._t_window = now
+        cpu = time.process_time()  # every thread of this process, user + system
+        scalars["time/cpu"] = (cpu - self._cpu_window) / ((now - self._t_window) * CORES)
+        self._t_window, self._cpu_window = now, cpu
         recorder.flush()
         metrics.log(self.state.step, scalars, {"staleness": scalars.pop("_staleness")})
         await self.source.set_version(self.state.step)

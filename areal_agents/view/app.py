@@ -54,7 +54,7 @@ CHARTS: list[tuple[str, str, list[str]]] = [
     ("merge_rate", "Merge rate", ["merge_rate"]),
     ("dropped", "Dropped episodes by reason (run totals)", ["dropped/*"]),
     ("loss", "Loss and gradient norm", ["loss", "grad_norm"]),
-    ("busy", "Busy share of each step", ["time/busy", "time/busy_engine", "time/busy_trainer"]),
+    ("busy", "Busy share of each step", ["time/busy", "time/busy_*", "time/cpu"]),
     ("idle", "Idle seconds of each step by cause", ["time/idle_*"]),
 ]
 """The dashboard's charts: ``(key, title, metric names; "prefix*" takes every metric whose

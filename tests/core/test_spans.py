@@ -171,6 +171,7 @@ def test_a_training_run_writes_its_spans_and_time_metrics(tiny_model_dir, tmp_pa
         assert 0.0 < m["time/busy_engine"] <= m["time/busy"] + 1e-9
         assert 0.0 < m["time/busy_trainer"] <= m["time/busy"] + 1e-9
         assert m["time/idle_s"] >= 0.0
+        assert 0.0 < m["time/cpu"] <= 1.1  # CPU seconds over wall x cores
         for cause in spans.IDLE_CAUSES:
             assert 0.0 <= m[f"time/idle_{cause}_s"] <= m["time/idle_s"] + 1e-9
     # step 2's window is [end of the first step's weight sync, end of its own]: recompute it
