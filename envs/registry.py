@@ -164,14 +164,31 @@ def list_envs() -> list[tuple[str, str]]:
 def make(id: str, **kwargs: Any) -> Any:
     """Create the env registered as ``id``; ``kwargs`` override the registered defaults.
 
+    ``mcp`` is not passed to the env: it adds the tools of one MCP server (a mapping, see
+    :mod:`tools.mcp_client`) or of several (a list of mappings) to the env's own, in every
+    episode: ``make("areal/Search-v0", mcp={"command": ["python", "server.py"]})``, or
+    ``env.kwargs.mcp`` in a training config.
+
     Raises:
         EnvNotFound: ``id`` is not registered (the message suggests the nearest ids).
+        ConfigError: ``mcp`` is malformed, or a server cannot be started or reached.
     """
     if id not in gymnasium.registry:
         load_plugins()
     if id not in gymnasium.registry:
         raise EnvNotFound(_not_found_message(id))
-    return gymnasium.make(id, disable_env_checker=True, **kwargs).unwrapped
+    servers = kwargs.pop("mcp", None)
+    env = gymnasium.make(id, disable_env_checker=True, **kwargs).unwrapped
+    if servers is not None:
+        from envs.mcp import add_mcp_tools
+
+        try:
+            add_mcp_tools(env, servers, where=f"env {id}: mcp")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                env.close()
+            raise
+    return env
 
 
 def probe(make_env: Callable[[], Any], *, seed: int | None, what: str) -> None:
