@@ -20,7 +20,10 @@ episode and counted by the caller; it never fails the batch.
 Before an episode ends, its metadata gets ``env`` (the gymnasium id of the env, its
 ``env.spec.id``, or None for an env made without a spec), ``success`` (as the env reported
 it, None when it did not) and ``turns``, so that the session's stored header (written at
-the end) can be filtered on them.
+the end) can be filtered on them. Env-driven, where the env's reset or step info gives a
+``state_key`` (the identity of the state it leaves the episode in), the metadata's
+``state_keys`` maps each completion to the key of the state its prompt shows: step-level
+advantage groups (``advantage.estimator: step_group``) compare the turns that share one.
 """
 
 from __future__ import annotations
@@ -254,6 +257,7 @@ class Runner:
         messages = list(obs)
         tools = info.get("tools") or None
         sampling = self._sampling_for(info)
+        state_key = info.get("state_key")
         for turn in range(self.max_turns):
             body: dict[str, Any] = {
                 "model": self.proxy.model_name,
@@ -267,9 +271,13 @@ class Runner:
             reply = await self.proxy.complete(session, body)
             message = reply["choices"][0]["message"]
             completion_id = reply["choices"][0]["completion_id"]
+            if state_key is not None:  # the state this completion's prompt shows
+                keys = session.episode.metadata.setdefault("state_keys", {})
+                keys[completion_id] = str(state_key)
             obs, reward, terminated, truncated, info = await self._call_env(
                 "step", env.step, message
             )
+            state_key = info.get("state_key")
             state["turns"] += 1
             state["info"] = info
             if reward:

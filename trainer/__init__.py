@@ -1,10 +1,11 @@
 """RL training: advantages, the one policy loss, and the algorithms that configure it.
 
-``trainer.advantage`` turns returns into advantages (group baselines over episodes, GAE,
-loss weights, DAPO's helpers), ``trainer.loss`` holds the decoupled PPO objective, the value
-loss and logprob helpers, ``trainer.critic`` PPO's value model, ``trainer.algorithms`` names
-the family (GRPO, Dr.GRPO, LitePPO, RLOO, GSPO, DAPO, PPO, REINFORCE++, SAPO, M2PO) as
-configurations of them::
+``trainer.advantage`` turns returns into advantages (group baselines over episodes,
+GiGPO's step-level groups, GAE per token or per turn, loss weights, DAPO's helpers),
+``trainer.loss`` holds the decoupled PPO objective, the value loss and logprob helpers,
+``trainer.critic`` PPO's value model, ``trainer.algorithms`` names the family (GRPO,
+Dr.GRPO, LitePPO, RLOO, GSPO, DAPO, PPO, REINFORCE++, SAPO, M2PO) as configurations of
+them::
 
     from trainer import get_algorithm, completion_returns
 
@@ -24,14 +25,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .advantage import (
         CompletionReturns,
+        StepGroups,
         completion_returns,
+        completion_state_keys,
         completion_weights,
         expand_to_tokens,
         filter_uniform_groups,
         gae,
         group_advantages,
         overlong_penalty,
+        step_group_advantages,
+        step_groups,
         tree_gae,
+        turn_gae,
         whiten,
     )
     from .algorithms import (
@@ -63,10 +69,12 @@ __all__ = [
     "Critic",
     "LossSpec",
     "OverlongSpec",
+    "StepGroups",
     "aggregate",
     "approx_proximal_logp",
     "check_async_correction",
     "completion_returns",
+    "completion_state_keys",
     "completion_weights",
     "entropy_from_logits",
     "expand_to_tokens",
@@ -80,7 +88,10 @@ __all__ = [
     "m2po_mask",
     "overlong_penalty",
     "policy_loss",
+    "step_group_advantages",
+    "step_groups",
     "tree_gae",
+    "turn_gae",
     "value_loss",
     "whiten",
 ]

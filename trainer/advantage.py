@@ -26,13 +26,24 @@ Choices made:
   children, as in the discounted return), so with lambda = 1 every token of completion c
   gets the return G(c) exactly.
 * ``whiten`` (mean 0, std 1 over a batch's sampled tokens) is optional for GAE advantages.
+* Step-level groups (``step_group_advantages``, GiGPO-style): the turns of a group's episodes
+  that start from the same current state are compared with each other, on top of the
+  episode-level advantage. The state of a turn is the env's ``info["state_key"]`` where the
+  episode recorded one for it (``Episode.metadata["state_keys"]``), else a hash of the
+  prompt's last observation: the tool or user messages after its last assistant message,
+  by role and text (tool call ids left out: clients make them up). Hashing the whole history
+  would make every later turn unique and leave only the first turns grouped.
+* ``turn_gae``: GAE with one value per turn boundary (the critic's value of a completion's
+  prompt) instead of one per token; gamma and lambda apply once per turn.
 
-Left out: turn-level groups keyed by shared states (GiGPO-style), learned per-turn
-baselines, KL folded into the reward (REINFORCE++'s original form; KL lives in the loss).
+Left out: KL folded into the reward (REINFORCE++'s original form; KL lives in the loss),
+similarity-based (not exact) anchor states.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
@@ -47,6 +58,7 @@ Baseline = Literal["mean", "rloo", "batch", "none"]
 Scale = Literal["std", "batch_std", "batch_centered_std", "none"]
 Weighting = Literal["episode", "completion", "token"]
 Reduce = Literal["mean", "sum", "sum_norm"]
+StepScale = Literal["std", "none"]
 Ids = Sequence[Hashable] | Tensor
 
 
@@ -221,6 +233,136 @@ def completion_returns(episodes: Sequence[Episode], gamma: float = 1.0) -> Compl
     return CompletionReturns(
         torch.tensor(rets, dtype=torch.float64), groups, eps, cids, torch.tensor(roots)
     )
+
+
+STATE_KEYS = "state_keys"
+"""``Episode.metadata[STATE_KEYS]``: ``{completion id: the env's info["state_key"] of the state
+the completion's prompt shows}``, recorded by the env-driven runner where the env gives one."""
+
+
+def completion_state_keys(episodes: Sequence[Episode]) -> list[str]:
+    """The anchor state of every completion row (in ``completion_returns``' order).
+
+    ``"env:<key>"`` with the env's ``info["state_key"]`` recorded for the completion
+    (``Episode.metadata["state_keys"]``), else ``"obs:<sha1>"`` of the prompt's last
+    observation: the trailing tool and user messages of ``Completion.messages`` (after the
+    last assistant or system message), each as its role and text, so a tool result with
+    another call id is the same state. A prompt that ends with no tool or user message is
+    a state of its own (``"none:<completion id>"``).
+    """
+    out: list[str] = []
+    for ep in episodes:
+        recorded = ep.metadata.get(STATE_KEYS) or {}
+        for c in ep.completions:
+            key = recorded.get(c.id) if isinstance(recorded, dict) else None
+            out.append(f"env:{key}" if key is not None else _observation_key(c.id, c.messages))
+    return out
+
+
+def _observation_key(completion_id: str, messages: Sequence[dict[str, object]]) -> str:
+    tail: list[tuple[object, str]] = []
+    for m in reversed(messages):
+        if m.get("role") not in ("tool", "user"):
+            break
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        tail.append((m.get("role"), str(content or "").strip()))
+    if not tail:
+        return f"none:{completion_id}"
+    text = json.dumps(tail[::-1], ensure_ascii=False, separators=(",", ":"))
+    return "obs:" + hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class StepGroups:
+    """The step-level part of ``step_group_advantages``, one value per row."""
+
+    advantages: Tensor
+    """A_S(c), float64."""
+    sizes: Tensor
+    """|S(c)|: how many rows share the step group of row c."""
+
+    @property
+    def share(self) -> float:
+        """The share of rows in step groups of more than one turn (0 for no rows)."""
+        n = self.sizes.numel()
+        return float((self.sizes > 1).sum()) / n if n else 0.0
+
+
+def step_groups(
+    returns: Tensor,
+    group_ids: Ids,
+    state_keys: Ids,
+    *,
+    scale: StepScale = "std",
+    eps: float = 1e-6,
+) -> StepGroups:
+    """Step-level advantages of GiGPO ("Group-in-Group Policy Optimization for LLM Agent
+    Training", Feng et al., 2025). Rows are completions (turns) as in ``group_advantages``;
+    ``state_keys[i]`` names the state row i's prompt starts from (``completion_state_keys``).
+    With g(c) the group of c and s(c) its state::
+
+        S(c)   = {c' : g(c') = g(c) and s(c') = s(c)}               step group
+        A_S(c) = (G(c) - mean(G(c') for c' in S(c))) / (std(G(c') for c' in S(c)) + eps)
+                                                                    scale std
+               =  G(c) - mean(G(c') for c' in S(c))                 scale none
+
+    with the Bessel-corrected std. A step group of one turn gives 0; under ``std`` so does a
+    step group whose returns are all equal. Turns of one episode that come back to a state
+    join its step group too.
+
+    >>> steps = step_groups(torch.tensor([1.0, 0.0, 1.0]), ["g"] * 3, ["a", "a", "b"], eps=0.0)
+    >>> steps.advantages, steps.sizes, round(steps.share, 4)
+    (tensor([ 0.7071, -0.7071,  0.0000], dtype=torch.float64), tensor([2, 2, 1]), 0.6667)
+    """
+    _check_choice("step_scale", scale, StepScale)
+    if returns.dim() != 1:
+        raise ValueError(f"returns: expected a 1-D tensor (one per row), got {returns.dim()}-D")
+    n, dev = returns.numel(), returns.device
+    g_row, _ = _codes(group_ids, n, "group_ids", dev)
+    s_row, _ = _codes(state_keys, n, "state_keys", dev)
+    step, n_steps = _codes(list(zip(g_row.tolist(), s_row.tolist(), strict=True)), n, "rows", dev)
+    g = returns.detach().to(torch.float64)
+    sizes = torch.bincount(step, minlength=n_steps)[step]
+    adv = g - _segment_mean(g, step, n_steps)[step]
+    if scale == "std":
+        s = _segment_std(g, step, n_steps)[step]
+        adv = torch.where(s > 0, adv / (s + eps), torch.zeros_like(adv))
+    return StepGroups(torch.where(sizes > 1, adv, torch.zeros_like(adv)), sizes)
+
+
+def step_group_advantages(
+    returns: Tensor,
+    group_ids: Ids,
+    episode_ids: Ids,
+    state_keys: Ids,
+    *,
+    roots: Tensor | None = None,
+    baseline: Baseline = "mean",
+    scale: Scale = "std",
+    omega: float = 1.0,
+    step_scale: StepScale = "std",
+    eps: float = 1e-6,
+) -> tuple[Tensor, StepGroups]:
+    """GiGPO's advantage: the episode-level advantage plus omega times the step-level one::
+
+        A(c) = A_E(c) + omega * A_S(c)
+
+    A_E is ``group_advantages`` with ``baseline`` and ``scale`` (GRPO's by default: with
+    gamma = 1 and a final reward only, the paper's (R(e) - mean_g R) / std_g R), A_S is
+    ``step_groups`` with ``step_scale``. GiGPO uses omega = 1. With omega = 0 this is
+    ``group_advantages`` exactly (A_S is finite, and x + 0 = x in floating point). Returns
+    A (dtype of ``returns``) and the step groups.
+    """
+    if omega < 0:
+        raise ValueError(f"omega: expected >= 0, got {omega}")
+    episode = group_advantages(
+        returns, group_ids, episode_ids, roots=roots, baseline=baseline, scale=scale, eps=eps
+    )
+    steps = step_groups(returns, group_ids, state_keys, scale=step_scale, eps=eps)
+    adv = episode.to(torch.float64) + omega * steps.advantages
+    return adv.to(returns.dtype), steps
 
 
 def expand_to_tokens(values: Tensor, token_completion: Tensor) -> Tensor:
@@ -457,6 +599,75 @@ def tree_gae(
             else:
                 first[i] = (boot_v[row], boot_a[row])
     return adv, ret
+
+
+def turn_gae(
+    rewards: Sequence[Tensor],
+    values: Sequence[Tensor],
+    masks: Sequence[Tensor],
+    discounts: Sequence[Tensor],
+    segments: Sequence[Tensor],
+    children: Sequence[Sequence[int]],
+    lam: float,
+    *,
+    truncated: Sequence[bool] | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Turn-level GAE: one value per turn boundary, gamma and lambda once per turn.
+
+    The inputs are those of ``tree_gae`` plus ``segments[i]``, the index of each token's
+    completion within sample i (-1: not sampled). For completion (turn) c, with F(c) and
+    L(c) its first and last sampled tokens, the critic's value V(c) = values[F(c)] is the
+    value of its prompt (the state its first token is sampled in), r(c) the rewards on its
+    tokens and gamma(c) = discounts[L(c)]. Along the completion tree, with next(c) the
+    turns that continue c (the next turn of its sample, else the first turns of the child
+    samples, averaged)::
+
+        delta(c) = r(c) + gamma(c) * mean(V(c') for c' in next(c)) - V(c)
+        A(c)     = delta(c) + gamma(c) * lam * mean(A(c') for c' in next(c))
+        R(c)     = A(c) + V(c)                     the critic's target at F(c)
+
+    A leaf of a terminated episode has no next turns (0); one of a truncated episode
+    bootstraps from its own V(c), the last value seen. Every token of c gets A(c), so a
+    one-turn episode with reward r gets r - V(prompt) on every token, and with lam = 1,
+    R(c) is the discounted return G(c) of ``Episode.returns``. This is ``tree_gae`` run
+    over turns instead of tokens.
+
+    Returns, per sample: the advantage of every token, the return R(c) of its turn on every
+    token (0 where not sampled), and the boundaries: True at each turn's F(c) only, where
+    the value loss applies.
+    """
+    n = len(rewards)
+    if not n == len(values) == len(masks) == len(discounts) == len(segments):
+        raise ValueError("rewards, values, masks, discounts, segments: expected equal lengths")
+    t_rew, t_val, t_disc, turns = [], [], [], []
+    for i in range(n):
+        seg = segments[i].long()
+        sampled = masks[i].bool() & (seg >= 0)
+        ks = torch.unique(seg[sampled]).tolist()  # sorted: a sample's turns in order
+        pos = [torch.nonzero(sampled & (seg == k)).flatten() for k in ks]
+        t_rew.append(torch.stack([rewards[i].float()[p].sum() for p in pos]) if ks else _empty())
+        t_val.append(
+            torch.stack([values[i].detach().float()[p[0]] for p in pos]) if ks else _empty()
+        )
+        t_disc.append(torch.stack([discounts[i].float()[p[-1]] for p in pos]) if ks else _empty())
+        turns.append(pos)
+    t_mask = [torch.ones(len(t), dtype=torch.bool) for t in turns]
+    t_adv, t_ret = tree_gae(t_rew, t_val, t_mask, t_disc, children, lam, truncated=truncated)
+    adv, ret, bounds = [], [], []
+    for i in range(n):
+        width = masks[i].numel()
+        a, r = torch.zeros(width), torch.zeros(width)
+        b = torch.zeros(width, dtype=torch.bool)
+        for j, p in enumerate(turns[i]):
+            a[p], r[p], b[p[0]] = t_adv[i][j], t_ret[i][j], True
+        adv.append(a)
+        ret.append(r)
+        bounds.append(b)
+    return adv, ret, bounds
+
+
+def _empty() -> Tensor:
+    return torch.zeros(0)
 
 
 def _pad_rows(rows: Sequence[Tensor]) -> Tensor:

@@ -34,10 +34,21 @@ from torch import Tensor
 
 from areal_agents.errors import ConfigError
 
-from .advantage import Baseline, Ids, Scale, gae, group_advantages, overlong_penalty
+from .advantage import (
+    Baseline,
+    Ids,
+    Scale,
+    StepGroups,
+    StepScale,
+    gae,
+    group_advantages,
+    overlong_penalty,
+    step_group_advantages,
+)
+from .config import CRITIC_ESTIMATORS
 from .loss import LossSpec, _choice, _raise
 
-Estimator = Literal["group", "gae"]
+Estimator = Literal["group", "step_group", "gae", "turn_gae"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,9 @@ class AdvantageSpec:
     """How returns become advantages (see ``group_advantages`` and ``gae``)."""
 
     estimator: Estimator = "group"
-    """group: baselines over a group's episodes; gae: token-level GAE with a critic."""
+    """group: baselines over a group's episodes; step_group: that plus GiGPO's step-level
+    groups (``step_group_advantages``); gae: token-level GAE with a critic; turn_gae: GAE
+    with one value per turn (``turn_gae``)."""
     baseline: Baseline = "mean"
     """Group estimator's baseline: group mean, leave-one-out, batch mean, or none."""
     scale: Scale = "std"
@@ -57,12 +70,24 @@ class AdvantageSpec:
     lam: float = 1.0
     """GAE's lambda."""
     whiten: bool = False
-    """GAE estimator: whiten the advantages over the batch's sampled tokens (``whiten``)."""
+    """GAE estimators: whiten the advantages over the batch's sampled tokens (``whiten``)."""
+    omega: float = 1.0
+    """step_group: the weight of the step-level advantage, A = A_E + omega * A_S."""
+    step_scale: StepScale = "std"
+    """step_group: divide by the step group's std (GiGPO), or not (none)."""
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the advantages come from a critic (gae, turn_gae)."""
+        return self.estimator in CRITIC_ESTIMATORS
 
     def __post_init__(self) -> None:
         problems = _choice("advantage", "estimator", self.estimator, Estimator)
         problems += _choice("advantage", "baseline", self.baseline, Baseline)
         problems += _choice("advantage", "scale", self.scale, Scale)
+        problems += _choice("advantage", "step_scale", self.step_scale, StepScale)
+        if not self.omega >= 0:
+            problems.append(f"advantage.omega: expected >= 0, got {self.omega}")
         if not 0 <= self.gamma <= 1:
             problems.append(f"advantage.gamma: expected in [0, 1], got {self.gamma}")
         if not 0 <= self.lam <= 1:
@@ -74,9 +99,12 @@ class AdvantageSpec:
     def group(
         self, returns: Tensor, group_ids: Ids, episode_ids: Ids, roots: Tensor | None = None
     ) -> Tensor:
-        """Completion advantages with this spec's baseline and scale."""
-        if self.estimator != "group":
-            raise ConfigError("advantage.estimator is 'gae': use AdvantageSpec.gae (a critic)")
+        """Completion advantages with this spec's baseline and scale (the episode-level
+        advantage A_E of ``step_group``)."""
+        if self.needs_critic:
+            raise ConfigError(
+                f"advantage.estimator is {self.estimator!r}: use AdvantageSpec.gae (a critic)"
+            )
         return group_advantages(
             returns,
             group_ids,
@@ -84,6 +112,33 @@ class AdvantageSpec:
             roots=roots,
             baseline=self.baseline,
             scale=self.scale,
+            eps=self.eps,
+        )
+
+    def step_group(
+        self,
+        returns: Tensor,
+        group_ids: Ids,
+        episode_ids: Ids,
+        state_keys: Ids,
+        roots: Tensor | None = None,
+    ) -> tuple[Tensor, StepGroups]:
+        """GiGPO's completion advantages ``A_E + omega * A_S`` (``step_group_advantages``)
+        with this spec's baseline, scale, omega and step scale, and the step groups."""
+        if self.estimator != "step_group":
+            raise ConfigError(
+                f"advantage.estimator is {self.estimator!r}; step groups need 'step_group'"
+            )
+        return step_group_advantages(
+            returns,
+            group_ids,
+            episode_ids,
+            state_keys,
+            roots=roots,
+            baseline=self.baseline,
+            scale=self.scale,
+            omega=self.omega,
+            step_scale=self.step_scale,
             eps=self.eps,
         )
 
@@ -136,10 +191,11 @@ class AlgorithmSpec:
     """The formula, from the builder's docstring."""
 
     def __post_init__(self) -> None:
-        if self.needs_critic != (self.advantage.estimator == "gae"):
+        if self.needs_critic != self.advantage.needs_critic:
             raise ConfigError(
                 f"algorithm {self.name!r}: needs_critic={self.needs_critic} but "
-                f"advantage.estimator={self.advantage.estimator!r}; a critic goes with 'gae'"
+                f"advantage.estimator={self.advantage.estimator!r}; a critic goes with "
+                f"{' or '.join(sorted(CRITIC_ESTIMATORS))}"
             )
 
 

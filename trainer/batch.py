@@ -17,10 +17,10 @@ import torch
 
 from areal_agents.trajectory import Completion, Episode, TrainingSample
 
-from .advantage import completion_returns
+from .advantage import completion_returns, completion_state_keys
 from .algorithms import AlgorithmSpec, OverlongSpec
 from .config import TrainConfig
-from .critic import GaeInputs, ValueLoss, critic_targets, gae_inputs
+from .critic import GaeInputs, ValueLoss, critic_targets, gae_inputs, turn_critic_targets
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,12 @@ class Batch:
     """PPO: each sample's rewards, discounts and links; ``add_gae`` fills the rest."""
     old_values: list[torch.Tensor] | None = None
     returns: list[torch.Tensor] | None = None
+    value_mask: list[torch.Tensor] | None = None
+    """Where the value loss applies when not on every sampled token: turn-level GAE
+    (``advantage.estimator: turn_gae``) trains the value of each turn's boundary only."""
+    value_weights: list[torch.Tensor] | None = None
+    """The value loss's weights with ``value_mask``: each boundary carries the summed loss
+    weights of its turn's tokens, so each episode weighs in the value loss as in the policy's."""
     ref: list[torch.Tensor] | None = None
     """Reference-policy logprobs, for a KL penalty (``loss.kl_coef > 0``)."""
     completions: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -89,6 +95,8 @@ class Batch:
             prox=pick(self.prox),
             old_values=pick(self.old_values),
             returns=pick(self.returns),
+            value_mask=pick(self.value_mask),
+            value_weights=pick(self.value_weights),
             ref=pick(self.ref),
             completions=some(self.completions),
             episode_ids=some(self.episode_ids),
@@ -117,13 +125,28 @@ def build_batch(
 
     With a critic (PPO) the advantages are left at 0 and ``batch.gae`` is set: pass the
     critic's values to ``add_gae``. With ``spec.overlong`` (DAPO) each completion's reward
-    first gets the soft overlong penalty of its output length (``max_tokens`` = L_max)."""
+    first gets the soft overlong penalty of its output length (``max_tokens`` = L_max).
+
+    With ``advantage.estimator: step_group`` (GiGPO) the completions' advantages add the
+    step-level part (``AdvantageSpec.step_group``) and the stats carry
+    ``adv/step_group_share`` (the share of completions in step groups of more than one) and
+    ``adv/env_state_share`` (the share anchored by the env's ``info["state_key"]``)."""
     overlong: dict[str, float] = {}
     if spec.overlong is not None:
         episodes, overlong = apply_overlong(episodes, spec.overlong, max_tokens)
     rows = completion_returns(episodes, gamma)
+    step_stats: dict[str, float] = {}
     if spec.needs_critic:
         adv = torch.zeros_like(rows.returns)
+    elif spec.advantage.estimator == "step_group":
+        keys = completion_state_keys(episodes)
+        adv, steps = spec.advantage.step_group(
+            rows.returns, rows.group_ids, rows.episode_ids, keys, rows.roots
+        )
+        step_stats = {
+            "adv/step_group_share": steps.share,
+            "adv/env_state_share": sum(k.startswith("env:") for k in keys) / max(len(keys), 1),
+        }
     else:
         adv = spec.advantage.group(rows.returns, rows.group_ids, rows.episode_ids, rows.roots)
     adv_of = dict(zip(rows.completion_ids, adv.tolist(), strict=True))
@@ -187,6 +210,7 @@ def build_batch(
         "merge_rate": merged / eligible if eligible else 0.0,
         "samples": len(seqs),
         **overlong,
+        **step_stats,
     }
     if trained:
         stats["masked_completions"] = masked_completions
@@ -275,19 +299,42 @@ def apply_overlong(
 
 def add_gae(batch: Batch, values: list[torch.Tensor], spec: AlgorithmSpec) -> dict[str, float]:
     """PPO: per-token advantages and returns of ``batch`` by GAE from the critic's ``values``
-    (``trainer.critic.critic_targets``); returns their metrics."""
+    (``trainer.critic.critic_targets``; ``turn_critic_targets`` with ``advantage.estimator:
+    turn_gae``, which also sets the value loss's ``value_mask`` and ``value_weights``);
+    returns their metrics."""
     assert batch.gae is not None, "build_batch sets batch.gae for a critic algorithm"
-    batch.adv, batch.returns, stats = critic_targets(batch.gae, values, batch.mask, spec.advantage)
+    if spec.advantage.estimator == "turn_gae":
+        batch.adv, batch.returns, batch.value_mask, stats = turn_critic_targets(
+            batch.gae, values, batch.mask, batch.segments, spec.advantage
+        )
+        batch.value_weights = [
+            _turn_weights(w, seg, b)
+            for w, seg, b in zip(batch.weights, batch.segments, batch.value_mask, strict=True)
+        ]
+    else:
+        batch.adv, batch.returns, stats = critic_targets(
+            batch.gae, values, batch.mask, spec.advantage
+        )
     batch.old_values = values
     return stats
+
+
+def _turn_weights(
+    weights: torch.Tensor, segments: torch.Tensor, bounds: torch.Tensor
+) -> torch.Tensor:
+    """``weights`` summed over each turn's tokens, put on the turn's boundary."""
+    out = torch.zeros_like(weights)
+    for t in torch.nonzero(bounds).flatten().tolist():
+        out[t] = weights[segments == segments[t]].sum()
+    return out
 
 
 def make_value_loss_fn(batch: Batch, spec: AlgorithmSpec) -> ValueLoss:
     """The callback ``Critic.train_step`` calls for each micro-batch (after ``add_gae``)."""
     assert batch.old_values is not None and batch.returns is not None, "call add_gae first"
-    return ValueLoss(
-        spec.loss, batch.old_values, batch.returns, batch.mask, batch.weights, batch.group_ids
-    )
+    mask = batch.mask if batch.value_mask is None else [m.float() for m in batch.value_mask]
+    weights = batch.weights if batch.value_weights is None else batch.value_weights
+    return ValueLoss(spec.loss, batch.old_values, batch.returns, mask, weights, batch.group_ids)
 
 
 def _pad(xs: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Training configuration: small frozen dataclasses, one per component, and one loader.
 
 ``TrainConfig`` composes ``env``, ``model`` (with ``lora``), ``algorithm``, ``sampling``,
-``rollout``, ``optim``, ``loss``, ``critic`` (PPO's value model), ``train``, ``sft``,
+``rollout``, ``optim``, ``loss``, ``critic`` (PPO's value model), ``advantage`` (the
+estimator, when not the algorithm's own), ``train``, ``sft``,
 ``metrics``, ``agent`` (the user's agent in this process), ``workers`` (the worker API of
 external agents) and ``scheduler``. Only ``env.id`` has no default (``model.path: null`` is the
 default model, ``algorithm: grpo``)::
@@ -339,6 +340,41 @@ class CriticConfig(_Checked):
         )
 
 
+CRITIC_ESTIMATORS = frozenset({"gae", "turn_gae"})
+"""The estimators that need a critic algorithm (the others need a group algorithm)."""
+
+
+@dataclass(frozen=True)
+class AdvantageConfig(_Checked):
+    """The advantage estimator of the algorithm, when not its own (null = the algorithm's:
+    ``gae`` for ppo, ``group`` for the others), and the step-level groups' settings."""
+
+    estimator: Literal["group", "step_group", "gae", "turn_gae"] | None = None
+    """group: the algorithm's baseline and scale over a group's episodes. step_group:
+    GiGPO, that plus step-level groups, the turns of a group's episodes that start from the
+    same state (the env's ``info["state_key"]``, else the prompt's last tool or user
+    messages), normalized together: A = A_E + omega * A_S (``trainer.advantage.
+    step_group_advantages``). gae: PPO's token-level GAE. turn_gae: GAE with one value per
+    turn boundary, ``critic.lam`` and ``rollout.gamma`` once per turn (``trainer.advantage.
+    turn_gae``). group and step_group go with algorithms without a critic, gae and turn_gae
+    with ppo."""
+    omega: float | None = None
+    """step_group: weight of the step-level advantage, >= 0; null = 1.0 (GiGPO's). 0 gives
+    the episode-level advantage alone (the algorithm's own)."""
+    step_scale: Literal["std", "none"] | None = None
+    """step_group: divide the step-level advantage by its step group's std (std), or not
+    (none); null = std."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        omega = self.omega
+        return (("omega", omega is None or 0 <= omega < float("inf"), ">= 0 or null (= 1.0)"),)
+
+    def overrides(self) -> dict[str, Any]:
+        """The ``AdvantageSpec`` fields this section sets (those not null)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v for k, v in values.items() if v is not None}
+
+
 @dataclass(frozen=True)
 class RunConfig(_Checked):
     """The training loop: length, batching, seeds, outputs and checkpoints."""
@@ -542,6 +578,8 @@ class TrainConfig(_Checked):
     """The policy loss."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model and GAE (PPO only; the discount is ``rollout.gamma``, per turn)."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """The advantage estimator, when not the algorithm's own (step-level groups, turn GAE)."""
     train: RunConfig = field(default_factory=RunConfig)
     """The training loop and its outputs."""
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -582,6 +620,38 @@ class TrainConfig(_Checked):
                 )
         return out
 
+    def _advantage_problems(self) -> list[str]:
+        """``advantage.*`` against the algorithm: a critic estimator needs a critic, a group
+        one none, and the step-group keys only do something with ``step_group``."""
+        out, adv, alg = [], self.advantage, self.algorithm
+        critic = alg in CRITIC_ALGORITHMS
+        est = adv.estimator or ("gae" if critic else "group")
+        if est in CRITIC_ESTIMATORS and not critic:
+            out.append(
+                f"advantage.estimator: {est!r} takes its advantages from a critic, but "
+                f"algorithm {alg!r} trains none; set algorithm="
+                f"{'|'.join(sorted(CRITIC_ALGORITHMS))}, or advantage.estimator=group|step_group"
+            )
+        elif est not in CRITIC_ESTIMATORS and critic:
+            out.append(
+                f"advantage.estimator: {est!r} normalizes within groups, but algorithm "
+                f"{alg!r} takes its advantages from a critic; set advantage.estimator="
+                "gae|turn_gae, or a group algorithm (e.g. algorithm=grpo)"
+            )
+        if est == "step_group" and alg not in GROUP_ALGORITHMS and self.rollout.group_size < 2:
+            out.append(
+                "rollout.group_size: advantage.estimator=step_group compares the turns of a "
+                f"group's episodes, so it needs group_size >= 2, got {self.rollout.group_size}"
+            )
+        for name in ("omega", "step_scale"):
+            if est != "step_group" and getattr(adv, name) is not None:
+                out.append(
+                    f"advantage.{name}: only advantage.estimator=step_group uses it, but the "
+                    f"estimator is {est!r}; set advantage.estimator=step_group or remove "
+                    f"advantage.{name}"
+                )
+        return out
+
     def _problems(self) -> list[str]:
         """Checks that span sections (each section checks itself), with full keys."""
         out, group = [], self.rollout.group_size
@@ -603,6 +673,8 @@ class TrainConfig(_Checked):
                 f"critic: set, but algorithm {self.algorithm!r} trains no critic; remove the "
                 f"critic section or choose algorithm={'|'.join(sorted(CRITIC_ALGORITHMS))}"
             )
+        if self.algorithm in ALGORITHMS:
+            out.extend(self._advantage_problems())
         eta = self.rollout.max_head_offpolicyness
         if eta > 0 and self.loss.behaviour_correction == "none":
             out.append(

@@ -24,6 +24,11 @@ Choices made:
 * ``critic_targets``: the advantages may be whitened over the step's tokens; the returns
   ``A + V_old``, the critic's targets, never are. ``explained_variance`` is measured on
   the values the advantages came from.
+* Turn-level GAE (``advantage.estimator: turn_gae``, ``turn_critic_targets``): the value of
+  a turn is the critic's value at its first sampled token (the state of its prompt), GAE
+  runs over turns (``trainer.advantage.turn_gae``: gamma and lambda once per turn), every
+  token of a turn gets its advantage, and the value loss trains the boundaries only, each
+  with its turn's summed loss weight.
 * The value loss (``trainer.loss.value_loss``) uses the policy loss's per-token weights, so
   each episode weighs the same in both losses.
 * The critic's rate ``critic.lr`` follows the policy's schedule (``optim.schedule``, its
@@ -56,7 +61,7 @@ from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device
 
 from . import fsdp
-from .advantage import tree_gae, whiten
+from .advantage import tree_gae, turn_gae, whiten
 from .loss import explained_variance
 from .policy import Packed, load_schedule, make_packed, pack, step_scheduler
 from .schedule import LrSchedule
@@ -351,6 +356,43 @@ def critic_targets(
         "explained_variance": explained_variance(v, r, torch.ones_like(v)),
     }
     return list(flat.split([m.numel() for m in masks])), ret, stats
+
+
+def turn_critic_targets(
+    gae: GaeInputs,
+    values: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    segments: list[torch.Tensor],
+    spec: AdvantageSpec,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
+    """Turn-level ``critic_targets``: per sample, the advantages by ``turn_gae`` with
+    ``spec.lam`` (whitened over all samples' tokens when ``spec.whiten``), the returns
+    R(c) = A(c) + V(c) of each turn on its tokens, and the turn boundaries (where the value
+    loss applies); the metrics are those of ``critic_targets``, over the boundaries."""
+    adv, ret, bounds = turn_gae(
+        gae.rewards,
+        values,
+        masks,
+        gae.discounts,
+        segments,
+        gae.children,
+        spec.lam,
+        truncated=gae.truncated,
+    )
+    mask, flat = torch.cat(masks).bool(), torch.cat(adv)
+    if spec.whiten:
+        flat = whiten(flat, mask)
+    used, b = flat[mask], torch.cat(bounds)
+    v, r = torch.cat(values)[b], torch.cat(ret)[b]
+    stats = {
+        "adv_mean": float(used.mean()) if used.numel() else 0.0,
+        "adv_std": float(used.std()) if used.numel() > 1 else 0.0,
+        "adv_abs_max": float(used.abs().max()) if used.numel() else 0.0,
+        "value_mean": float(v.mean()) if v.numel() else 0.0,
+        "return_mean": float(r.mean()) if r.numel() else 0.0,
+        "explained_variance": explained_variance(v, r, torch.ones_like(v)),
+    }
+    return list(flat.split([m.numel() for m in masks])), ret, bounds, stats
 
 
 @dataclass

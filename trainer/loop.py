@@ -642,12 +642,13 @@ but ``proximal``, which the loop reads itself)."""
 
 
 def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:
-    """The configured algorithm, with every ``loss.*`` value the config sets (not None) and,
-    for a critic algorithm, the ``critic.*`` GAE and value-clip settings."""
+    """The configured algorithm, with every ``loss.*`` value the config sets (not None), the
+    ``advantage.*`` ones and, for a critic algorithm, the ``critic.*`` GAE and value-clip
+    settings."""
 
     spec = get_algorithm(cfg.algorithm)
     changes = {n: getattr(cfg.loss, n) for n in LOSS_OVERRIDES if getattr(cfg.loss, n) is not None}
-    adv = dataclasses.replace(spec.advantage, gamma=cfg.rollout.gamma)
+    adv = dataclasses.replace(spec.advantage, gamma=cfg.rollout.gamma, **cfg.advantage.overrides())
     if spec.needs_critic:
         changes["value_clip"] = cfg.critic.value_clip
         adv = dataclasses.replace(adv, lam=cfg.critic.lam, whiten=cfg.critic.whiten)

@@ -1,4 +1,6 @@
-"""examples/agents/algorithms/: one documented config per algorithm, each one a valid run.
+"""examples/agents/algorithms/: one documented config per algorithm, each one a valid run,
+and variants named ``<algorithm>_<variant>.yaml`` (an advantage estimator other than the
+algorithm's own: ``grpo_step_groups``, ``ppo_turn_gae``).
 
 A new algorithm in ``trainer.algorithms`` without a config here fails
 ``test_one_config_per_algorithm``.
@@ -17,18 +19,22 @@ from trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "agents" / "algorithms"
+VARIANTS = {"grpo_step_groups": "grpo", "ppo_turn_gae": "ppo"}
+"""Config name -> its algorithm, for the configs that are not an algorithm's own."""
 
 
 def test_one_config_per_algorithm():
-    assert {p.stem for p in CONFIGS.glob("*.yaml")} == set(ALGORITHMS)
+    assert {p.stem for p in CONFIGS.glob("*.yaml")} == set(ALGORITHMS) | set(VARIANTS)
     assert not [p.name for p in CONFIGS.iterdir() if p.suffix != ".yaml"]
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS) + sorted(VARIANTS))
 def test_config_is_a_short_lora_calculator_run_and_passes_dry_run(name):
     path = CONFIGS / f"{name}.yaml"
     cfg = load_config(path)
-    assert cfg.algorithm == name
+    algorithm = VARIANTS.get(name, name)
+    assert cfg.algorithm == algorithm
+    assert (cfg.advantage.estimator is not None) == (name in VARIANTS)
     assert cfg.env.id == "areal/Calculator-v0"
     assert cfg.model.path is None and cfg.model.lora.enabled  # the default model, LoRA
     assert cfg.train.steps <= 20 and cfg.train.output_dir == f"runs/{name}"
@@ -42,4 +48,4 @@ def test_config_is_a_short_lora_calculator_run_and_passes_dry_run(name):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert f"algorithm: {name}\n" in out.stdout
+    assert f"algorithm: {algorithm}\n" in out.stdout

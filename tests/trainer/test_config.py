@@ -69,6 +69,7 @@ loss:
   agg: sum_norm
   weighting: token
 critic: {path: null, lr: 1.0e-5, lam: 0.95, value_clip: 0.2, whiten: true}
+advantage: {estimator: step_group, omega: 0.5, step_scale: none}
 train:
   micro_batch_tokens: 8192
   share_prefixes: false
@@ -147,6 +148,7 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
     assert cfg.rollout.probe_size == 2
     assert cfg.sft.kind == "episodes" and cfg.sft.lr == 1e-5
     assert cfg.metrics.tensorboard is False
+    assert (cfg.advantage.estimator, cfg.advantage.omega) == ("step_group", 0.5)
 
     # The whole file, section by section, comes back out of to_dict.
     assert to_dict(cfg) == yaml.safe_load(FULL_YAML.replace("2e-6", "2.0e-6"))
