@@ -661,7 +661,10 @@ def _train(args: argparse.Namespace) -> int:
     summary = train(cfg, resume=args.resume, quiet=args.quiet)
     keys = ("reward_mean", "success_rate", "staleness_mean", "train_tokens_per_s")
     print(" ".join(f"{k}={summary[k]:.3g}" for k in keys if k in summary))
+    if summary.get("held_out"):
+        print(summary["held_out"])
     print(f"final model: {summary.get('final_model')}")
+    print(f"run directory: {cfg.train.output_dir} ({view_hint(cfg.train.output_dir)})")
     return 0
 
 

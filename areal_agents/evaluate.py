@@ -128,8 +128,10 @@ async def evaluate(
     seed: int = 0,
     agent: Any = None,
     progress: Callable[[EpisodeResult], None] | None = None,
+    group_prefix: str = "task",
 ) -> tuple[EvalReport, list[list[EpisodeResult]]]:
-    """Run ``episodes // k`` tasks k times each (all concurrently, bounded by the runner)."""
+    """Run ``episodes // k`` tasks k times each (all concurrently, bounded by the runner);
+    task t's episodes are the proxy's group ``{group_prefix}-{seed + t}``."""
     if k < 1 or episodes < k:
         raise ValueError(f"need episodes >= k >= 1, got episodes={episodes}, k={k}")
     loop = asyncio.get_running_loop()
@@ -142,7 +144,11 @@ async def evaluate(
         options = None if indices is None else {"task_index": indices[t]}
         coros = [
             runner.run_episode(
-                make_env, seed=seed + t, options=options, agent=agent, group_id=f"task-{seed + t}"
+                make_env,
+                seed=seed + t,
+                options=options,
+                agent=agent,
+                group_id=f"{group_prefix}-{seed + t}",
             )
             for _ in range(k)
         ]

@@ -496,6 +496,42 @@ class SFTConfig(_Checked):
 
 
 @dataclass(frozen=True)
+class EvalConfig(_Checked):
+    """Held-out evaluation during training: the same tasks, greedy by default, through the
+    run's own engine and proxy (never trained on). It runs before the warm start (the base
+    model), after it, every ``every`` steps and at the end; the results go to
+    ``RUN_DIR/eval.json`` and the metrics (``eval/*``), and the run ends by printing
+    ``held-out success: base X% -> warm start Y% -> RL Z%``."""
+
+    episodes: int = 0
+    """Held-out tasks per evaluation (one episode each); 0 = no evaluation."""
+    seed: int = 0
+    """Seed of the held-out tasks: a seeded permutation of the split's pool where the env has
+    one (distinct tasks), else task t resets with seed ``seed + t``."""
+    split: str = "test"
+    """Task split evaluated on, passed to the environment as ``split`` where it takes one."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments on top of ``env.kwargs`` for the held-out env, e.g. an unweighted
+    task mix."""
+    temperature: float = 0.0
+    """Sampling temperature of the evaluation (0 = greedy)."""
+    every: int = 0
+    """Also evaluate every this many RL steps (0 = only before and after training)."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        return (
+            ("episodes", self.episodes >= 0, ">= 0 (0 = no held-out evaluation)"),
+            ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
+            ("every", self.every >= 0, ">= 0 (0 = only before and after training)"),
+            (
+                "every",
+                self.every == 0 or self.episodes > 0,
+                "0 while eval.episodes is 0 (set eval.episodes to evaluate)",
+            ),
+        )
+
+
+@dataclass(frozen=True)
 class MetricsConfig(_Checked):
     """Where training metrics go (always under train.output_dir)."""
 
@@ -586,6 +622,8 @@ class TrainConfig(_Checked):
     """Optional supervised warm start."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Metric sinks."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation before, during and after training."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """The user's agent in this process; none = the model drives the env."""
     workers: WorkersConfig = field(default_factory=WorkersConfig)
@@ -710,11 +748,13 @@ class TrainConfig(_Checked):
                 f"rollout.agents: {agents} workers connect to this process's worker API; "
                 "use scheduler=local with them (the workers themselves may run anywhere)"
             )
-        if self.train.sharded and self.sft.enabled:
+        elsewhere = agents in ("external", "self_rewarded") or self.scheduler == "ray"
+        if self.eval.episodes and elsewhere:
             out.append(
-                "sft.enabled: the warm start runs in one process; run it with train.nproc=1 "
-                "and train.steps=1 first, then resume that run (--resume) with "
-                f"train.nproc={self.train.nproc}"
+                "eval.episodes: the held-out evaluation runs episodes in this process (the "
+                "model or agent.factory driving the env); with external workers, "
+                "self-rewarded sessions or scheduler=ray, evaluate the checkpoints with "
+                "areal-agent eval instead, and set eval.episodes=0"
             )
         total = self.optim.total_steps or self.train.steps
         if self.optim.warmup_steps > total:

@@ -369,6 +369,9 @@ class DistributedPolicy(_Sharded):
     def reset_optimizer(self, lr: float) -> None:
         self._all("reset_optimizer", lr)
 
+    def set_lr(self, lr: float) -> None:
+        self._all("set_lr", lr)
+
     def save(self, directory: str | Path) -> None:
         """Every rank's shards, then its random state (the policy's checkpoint directory
         is the checkpoint's)."""

@@ -77,6 +77,7 @@ from .batch import (
 from .checkpoint import RunState, append_ledger, restore_checkpoint, save_checkpoint
 from .config import LossConfig, TrainConfig, dump_yaml
 from .critic import Critic
+from .heldout import HeldOut
 from .metrics import MetricsWriter
 from .policy import Policy
 from .rollout import Group, build_rollout
@@ -154,6 +155,7 @@ class Trainer:
         self.engine, self.source = rollout.engine, rollout.source
         self.make_env = self.source.make_env
         self.seed_base = self.source.settings.seed_base
+        self.held_out = HeldOut(cfg, self.out)  # a bad eval section fails here
 
     def _models(
         self, policy_kw: dict[str, Any], critic_kw: dict[str, Any] | None, lock: Any
@@ -179,17 +181,35 @@ class Trainer:
         weights and the source starts producing groups. The first step's time accounting
         (``time/*``) starts here, after the models are loaded."""
         self._t_window, self._cpu_window = time.perf_counter(), time.process_time()
-        if self.resume and self._restore():
+        resumed = self.resume and self._restore()
+        if resumed:
             self._t_start -= self.state.elapsed_s
             if not self.quiet:
                 print(f"resumed from step {self.state.step}", file=sys.stderr)
         elif self.cfg.sft.enabled:
+            await self._evaluate("base")
             with spans.span("trainer", "warm_start"):
                 await asyncio.to_thread(self._warm_start)
             self._checkpoint()  # step 0: the warm-started model; a resume skips the warm start
         await self.engine.update_weights(self.policy.weight_update(self.state.step))
+        if not resumed:
+            await self._evaluate("warm_start" if self.cfg.sft.enabled else "base")
         await self._engine_counters()  # the start of the first step's engine rates
         await self.source.start(version=self.state.step)
+
+    async def _evaluate(self, label: str) -> dict[str, float]:
+        """The held-out evaluation (``eval``; :mod:`trainer.heldout`) of the weights the
+        engine holds now, as ``label``; its ``eval/*`` metrics."""
+        if not self.held_out.enabled:
+            return {}
+        last = self.held_out.results[-1:]
+        if label == "final" and last and last[0]["step"] == self.state.step:
+            self.held_out.record_again(label)  # the last step was just evaluated
+            return {}
+        with spans.span("rollout", "held_out", label=label):
+            return await self.held_out.run(
+                self.source, label, self.state.step, progress=not self.quiet
+            )
 
     def _warm_start(self) -> None:
         """Supervised warm start on ``sft.demos``: chat messages rendered with the env's tools
@@ -350,6 +370,9 @@ class Trainer:
                 if stop:
                     summary["stopped_by_time_limit"] = True
                     break
+            await source.stop()  # the final evaluation has the engine to itself
+            await self._evaluate("final")
+            summary["held_out"] = self.held_out.line()
         finally:
             await source.close()  # groups in flight end here: a resume redoes them
             bar.close()
@@ -377,6 +400,9 @@ class Trainer:
         scalars["time/cpu"] = (cpu - self._cpu_window) / ((now - self._t_window) * CORES)
         self._t_window, self._cpu_window = now, cpu
         recorder.flush()
+        every = self.cfg.eval.every
+        if every and self.state.step % every == 0:  # while the rollouts go on
+            scalars.update(await self._evaluate(f"step-{self.state.step}"))
         metrics.log(self.state.step, scalars, {"staleness": scalars.pop("_staleness")})
         await self.source.set_version(self.state.step)
 

@@ -405,6 +405,12 @@ class Policy:
         )
         self.scheduler = self.schedule.scheduler(self.optimizer)
 
+    def set_lr(self, lr: float) -> None:
+        """Every parameter group's learning rate, until the schedule's next step (the warm
+        start trains at ``sft.lr`` without a schedule)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     @property
     def lr(self) -> float:
         """The learning rate the next optimizer step uses."""

@@ -166,17 +166,26 @@ class GroupSource:
         assert self.gate is not None
         await self.gate.set_version(version)
 
-    async def close(self) -> None:
-        """Stop generating. Groups in flight are not consumed (a resume redoes them)."""
+    async def prepare(self) -> None:
+        """Make the source's runner usable (``start`` does it too): what episodes outside
+        the groups, such as a held-out evaluation, need before ``start`` or after ``stop``."""
+
+    async def stop(self) -> None:
+        """Stop generating; the runner, proxy and servers stay up until :meth:`close`.
+        Groups in flight are not consumed (a resume redoes them)."""
         pending = [t for t in (self._producer, *self._tasks) if t is not None]
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         if self._failure is not None and not self._failure.done():
             self._failure.cancel()
-        elif self._failure is not None:
+        elif self._failure is not None and not self._failure.cancelled():  # stopped before
             self._failure.exception()  # retrieved: no "never retrieved" warning
         self.state.dropped = dict(self.dropped)
+
+    async def close(self) -> None:
+        """:meth:`stop`, then release what the source owns (the episode store)."""
+        await self.stop()
         if self.store is not None:  # episodes cut short here end as "cancelled" in the store
             self.store.flush_sync()
             self.store.close_open("cancelled")
@@ -328,9 +337,15 @@ class AgentSource(EnvSource):
     ) -> None:
         super().__init__(settings, state, runner, make_env, agent)
         self.server = server
+        self._serving = False
+
+    async def prepare(self) -> None:
+        if not self._serving:
+            await self.server.start()
+            self._serving = True
 
     async def start(self, version: int) -> None:
-        await self.server.start()
+        await self.prepare()
         await super().start(version)
 
     async def close(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,33 @@ def sft_sample(
     return full, mask, skipped
 
 
+@dataclass
+class NllLoss:
+    """The warm start's loss of one batch, ``-(1 / N) * sum(mask * log p)`` with N the
+    batch's trained tokens, as a ``train_step`` loss: called per micro-batch with its items'
+    log-probabilities. Trainer ranks split it by sample (:meth:`select` keeps the whole
+    batch's N), so the ranks' summed losses and gradients are one process's."""
+
+    masks: list[torch.Tensor]
+    """Per sample, the trained tokens among its predicted ones (``mask[1:]``)."""
+    total: float
+    """N: the trained tokens of the whole batch."""
+
+    @property
+    def group_ids(self) -> list[str]:
+        return [str(i) for i in range(len(self.masks))]  # any split of the samples is exact
+
+    def select(self, idx: list[int]) -> NllLoss:
+        return NllLoss([self.masks[i] for i in idx], self.total)
+
+    def __call__(
+        self, items: list[int], logps: list[torch.Tensor], ents: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        terms = [(lp * self.masks[i]).sum() for i, lp in zip(items, logps, strict=True)]
+        loss = -torch.stack(terms).sum() / self.total
+        return loss, {"nll": float(loss.detach())}
+
+
 def run_sft(
     policy: Policy,
     tokenizer: ChatTokenizer,
@@ -177,8 +205,7 @@ def run_sft(
         raise ConfigError(
             "sft: no demonstration has an assistant turn (no episode a sampled token) to train on"
         )
-    for group in policy.optimizer.param_groups:
-        group["lr"] = lr
+    policy.set_lr(lr)
     rng = random.Random(seed)
     last = 0.0
     steps = 0
@@ -197,19 +224,7 @@ def run_sft(
             batch = [data[i] for i in order[b : b + batch_size]]
             seqs = [ids for ids, _ in batch]
             masks = [torch.tensor(m[1:], dtype=torch.float32) for _, m in batch]
-            total = float(sum(m.sum() for m in masks))
-
-            def loss_fn(
-                items: list[int],
-                logps: list[torch.Tensor],
-                ents: list[torch.Tensor],
-                masks: list[torch.Tensor] = masks,
-                total: float = total,
-            ) -> tuple[torch.Tensor, dict[str, float]]:
-                terms = [(lp * masks[i]).sum() for i, lp in zip(items, logps, strict=True)]
-                loss = -torch.stack(terms).sum() / total
-                return loss, {"nll": float(loss.detach())}
-
+            loss_fn = NllLoss(masks, float(sum(m.sum() for m in masks)))
             stats = policy.train_step(seqs, loss_fn, 1.0, micro_batch_tokens, masks)
             last = stats["nll"]
             steps += 1

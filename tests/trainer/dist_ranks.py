@@ -46,6 +46,26 @@ RESUMED = ("grpo-lora", "ppo-full")
 """Cases also resumed on the ranks from the one-process checkpoint after step 1."""
 
 
+SFT_CASE = "grpo-lora"
+"""The case whose fresh policy also runs a warm start (:func:`warm_start`) on the ranks."""
+
+
+def warm_start(policy: Any, model: str) -> dict[str, float]:
+    """A warm start on 5 calculator demonstrations (batches of 3 and 2: odd splits) with
+    40-token micro-batches."""
+    from areal_agents.chat import ChatTokenizer
+    from envs.registry import make
+    from trainer.sft import run_sft
+
+    env = make("areal/Calculator-v0", kind="arithmetic")
+    _, info = env.reset(seed=0)
+    demos = env.unwrapped.demos(5, seed=0, kind="arithmetic")
+    env.close()
+    tok = ChatTokenizer.from_dir(model)
+    kw = {"epochs": 1, "lr": 1e-3, "micro_batch_tokens": 40, "batch_size": 3, "seed": 0}
+    return run_sft(policy, tok, demos, info["tools"], **kw)
+
+
 def case_config(name: str, model: str) -> Any:
     from trainer.config import load_config
 
@@ -116,6 +136,12 @@ def _parity(data_path: str, out_dir: str) -> None:
         policy.save(out / key)
         if critic is not None:
             critic.save(out / key / "critic")
+    cfg = case_config(SFT_CASE, data["model"])
+    torch.manual_seed(0)
+    policy_kw, _ = model_kwargs(cfg, _algorithm(cfg), data["model"])
+    policy = DistributedPolicy(ranks, ranks.build("policy", "policy", policy_kw))
+    results["sft"] = warm_start(policy, data["model"])
+    torch.save(policy.weight_update(1).state_dict, out / "sft.weights.pt")
     ranks.stop()
     (out / "results.json").write_text(json.dumps(results))
 

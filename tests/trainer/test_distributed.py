@@ -109,7 +109,7 @@ def test_two_ranks_take_the_step_one_process_takes(tiny_model_dir, tmp_path):
     them), and so do the per-token records rank 0 gathers from the ranks (``train_tokens``
     rows: their number and sums of their arrays). The ranks' checkpoints load into
     one process (2 -> 1), and one process's checkpoint after step 1 resumes on the ranks
-    (1 -> 2) with the same second step."""
+    (1 -> 2) with the same second step. A warm start on the ranks equals one process's."""
     model = str(tiny_model_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank (1 core each): the same float summation order
@@ -144,6 +144,9 @@ def _parity(model: str, tmp_path: Path) -> None:
             want[name]["critic"] = {k: v.detach().clone() for k, v in critic.params.items()}
         if name in dist_ranks.RESUMED:
             want[f"{name}+resume"] = {"steps": steps[1:], "weights": want[name]["weights"]}
+    torch.manual_seed(0)
+    policy, _, _ = _one_process(dist_ranks.SFT_CASE, model)
+    sft = {"stats": dist_ranks.warm_start(policy, model), "weights": _trained(policy)}
     data = tmp_path / "data.pkl"
     data.write_bytes(
         pickle.dumps({"model": model, "episodes": episodes, "checkpoints": checkpoints})
@@ -154,6 +157,9 @@ def _parity(model: str, tmp_path: Path) -> None:
     run_ranks(2, [str(RANKS), "parity", str(data), str(out)])
     print(f"2 ranks: {time.perf_counter() - t0:.1f} s for {len(want)} cases")
     got = json.loads((out / "results.json").read_text())
+    # the warm start: the same loss and weights on the ranks
+    assert got.pop("sft") == pytest.approx(sft["stats"], abs=1e-5, rel=1e-5)
+    _assert_same(torch.load(out / "sft.weights.pt"), sft["weights"], "warm start (gathered)")
     assert got.keys() == want.keys()
     for key, w in want.items():
         _assert_steps(got[key]["steps"], w["steps"], key)
