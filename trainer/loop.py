@@ -674,7 +674,14 @@ def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:
 
     spec = get_algorithm(cfg.algorithm)
     changes = {n: getattr(cfg.loss, n) for n in LOSS_OVERRIDES if getattr(cfg.loss, n) is not None}
-    adv = dataclasses.replace(spec.advantage, gamma=cfg.rollout.gamma, **cfg.advantage.overrides())
+    a = cfg.advantage
+    chosen: dict[str, Any] = {
+        "estimator": a.estimator,
+        "omega": a.omega,
+        "step_scale": a.step_scale,
+    }
+    chosen = {k: v for k, v in chosen.items() if v is not None}  # null: the algorithm's own
+    adv = dataclasses.replace(spec.advantage, gamma=cfg.rollout.gamma, **chosen)
     if spec.needs_critic:
         changes["value_clip"] = cfg.critic.value_clip
         adv = dataclasses.replace(adv, lam=cfg.critic.lam, whiten=cfg.critic.whiten)
