@@ -311,29 +311,36 @@ class MCPConnection:
 
     def call(self, name: str, arguments: Mapping[str, Any] | None) -> ToolResult:
         """Call the MCP tool ``name`` (the server's own name); blocks this thread."""
-        loop = self._loop
-        if loop is None or self._closed:
-            return _mcp_error(self.config, name, "the connection is closed")
-        timeout = self.config.timeout_s
-        future = asyncio.run_coroutine_threadsafe(self._call(name, arguments, timeout), loop)
+        future = self._submit(name, arguments)
+        if isinstance(future, ToolResult):
+            return future
         try:
-            return future.result(timeout + _GRACE_S)
+            return future.result(self.config.timeout_s + _GRACE_S)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            return _timeout(name, timeout)
+            return _timeout(name, self.config.timeout_s)
 
     async def acall(self, name: str, arguments: Mapping[str, Any] | None) -> ToolResult:
         """:meth:`call` for the caller's event loop (it does not block that loop)."""
+        future = self._submit(name, arguments)
+        if isinstance(future, ToolResult):
+            return future
+        try:
+            wait = asyncio.wrap_future(future)
+            return await asyncio.wait_for(wait, self.config.timeout_s + _GRACE_S)
+        except TimeoutError:
+            future.cancel()
+            return _timeout(name, self.config.timeout_s)
+
+    def _submit(
+        self, name: str, arguments: Mapping[str, Any] | None
+    ) -> concurrent.futures.Future[ToolResult] | ToolResult:
+        """The call scheduled on the connection's loop, or the error when it is closed."""
         loop = self._loop
         if loop is None or self._closed:
             return _mcp_error(self.config, name, "the connection is closed")
-        timeout = self.config.timeout_s
-        future = asyncio.run_coroutine_threadsafe(self._call(name, arguments, timeout), loop)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout + _GRACE_S)
-        except TimeoutError:
-            future.cancel()
-            return _timeout(name, timeout)
+        call = self._call(name, arguments, self.config.timeout_s)
+        return asyncio.run_coroutine_threadsafe(call, loop)
 
     # ------------------------------------------------------------------ on the loop
 

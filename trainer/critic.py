@@ -343,10 +343,26 @@ def critic_targets(
     adv, ret = tree_gae(
         gae.rewards, values, masks, gae.discounts, gae.children, spec.lam, truncated=gae.truncated
     )
+    mask = torch.cat(masks).bool()
+    out, stats = _whitened(adv, values, ret, masks, mask, spec)
+    return out, ret, stats
+
+
+def _whitened(
+    adv: list[torch.Tensor],
+    values: list[torch.Tensor],
+    ret: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    at: torch.Tensor,
+    spec: AdvantageSpec,
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Per sample, the advantages whitened over all samples' trained tokens (when
+    ``spec.whiten``), and the metrics: advantages over the trained tokens, values and
+    returns over the positions ``at`` (flat, boolean)."""
     mask, flat = torch.cat(masks).bool(), torch.cat(adv)
     if spec.whiten:
         flat = whiten(flat, mask)
-    used, v, r = flat[mask], torch.cat(values)[mask], torch.cat(ret)[mask]
+    used, v, r = flat[mask], torch.cat(values)[at], torch.cat(ret)[at]
     stats = {
         "adv_mean": float(used.mean()) if used.numel() else 0.0,
         "adv_std": float(used.std()) if used.numel() > 1 else 0.0,
@@ -355,7 +371,7 @@ def critic_targets(
         "return_mean": float(r.mean()) if r.numel() else 0.0,
         "explained_variance": explained_variance(v, r, torch.ones_like(v)),
     }
-    return list(flat.split([m.numel() for m in masks])), ret, stats
+    return list(flat.split([m.numel() for m in masks])), stats
 
 
 def turn_critic_targets(
@@ -379,20 +395,8 @@ def turn_critic_targets(
         spec.lam,
         truncated=gae.truncated,
     )
-    mask, flat = torch.cat(masks).bool(), torch.cat(adv)
-    if spec.whiten:
-        flat = whiten(flat, mask)
-    used, b = flat[mask], torch.cat(bounds)
-    v, r = torch.cat(values)[b], torch.cat(ret)[b]
-    stats = {
-        "adv_mean": float(used.mean()) if used.numel() else 0.0,
-        "adv_std": float(used.std()) if used.numel() > 1 else 0.0,
-        "adv_abs_max": float(used.abs().max()) if used.numel() else 0.0,
-        "value_mean": float(v.mean()) if v.numel() else 0.0,
-        "return_mean": float(r.mean()) if r.numel() else 0.0,
-        "explained_variance": explained_variance(v, r, torch.ones_like(v)),
-    }
-    return list(flat.split([m.numel() for m in masks])), ret, bounds, stats
+    out, stats = _whitened(adv, values, ret, masks, torch.cat(bounds), spec)
+    return out, ret, bounds, stats
 
 
 @dataclass
