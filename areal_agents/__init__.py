@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .chat import ChatTokenizer
+    from .context import ContextPolicy
     from .embedded import EmbeddedEngine
     from .engine import Engine, GenerateResult, SamplingParams, WeightUpdate
     from .errors import (
@@ -59,6 +60,7 @@ __version__ = "0.1.0"
 # ``import areal_agents.client`` (a worker without torch or fastapi) loads none of the rest.
 _LAZY: dict[str, str] = {
     "ChatTokenizer": "chat",
+    "ContextPolicy": "context",
     "EmbeddedEngine": "embedded",
     **dict.fromkeys(("Engine", "GenerateResult", "SamplingParams", "WeightUpdate"), "engine"),
     **dict.fromkeys(
@@ -133,6 +135,7 @@ __all__ = [
     "Completion",
     "ConfigError",
     "ContextOverflow",
+    "ContextPolicy",
     "EmbeddedEngine",
     "Engine",
     "EnvError",

@@ -66,6 +66,8 @@ class FakeEngine:
             stop_reason=reason,
             prompt_tokens=len(prompt_ids),
             latency_s=time.perf_counter() - start,
+            # asked for alternatives: the sampled token is each position's only one
+            top_logprobs=[[(t, -0.5)] for t in out] if params.top_logprobs else [],
         )
 
     async def update_weights(self, update: WeightUpdate) -> int:

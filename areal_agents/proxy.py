@@ -41,6 +41,14 @@ not hold (a restart, or one evicted after it ended) is loaded from the store on 
 its key or id: its key works, its trajectory is complete, rewards can still be posted.
 ``session_idle_s`` ends sessions idle that long as ``expired`` (they stay in the store).
 
+Context that outgrows the window (``context_policy``, a
+:class:`~areal_agents.context.ContextPolicy`): by default a prompt of ``max_context`` tokens
+or more is a 400 ``context_length_exceeded``; ``truncate_tool_results`` replaces the oldest
+tool results by a marker and ``summarize`` has the model summarize the older turns, once a
+prompt would not leave ``reserve_tokens`` free. The completion keeps the client's messages
+(for its parent link), the edits sent instead and the tokens actually sampled from; see
+:mod:`areal_agents.context`.
+
 Calls that do not finish normally:
 
 * A client that disconnects before its answer is ready cancels the call: the engine drops the
@@ -91,7 +99,9 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from . import context as ctx
 from .chat import ChatTokenizer
+from .context import ContextPolicy
 from .engine import Engine, GenerateResult, SamplingParams, accepts_route_key
 from .errors import ArealError, BackendError, ContextOverflow, SessionError
 from .schemas import (
@@ -107,7 +117,7 @@ from .schemas import (
 )
 from .session import Session, SessionStore
 from .toolcall import parse_tool_calls
-from .trajectory import Completion
+from .trajectory import SUMMARY_CALL, Completion, apply_edits, find_parent
 
 if TYPE_CHECKING:
     from .store import EpisodeStore
@@ -227,6 +237,7 @@ class Proxy:
         store: EpisodeStore | None = None,
         restore: bool = True,
         session_idle_s: float | None = None,
+        context_policy: ContextPolicy | dict[str, Any] | str | None = None,
     ) -> None:
         if session_idle_s is not None and not session_idle_s > 0:
             raise ValueError(f"session_idle_s must be > 0 or None, got {session_idle_s}")
@@ -246,6 +257,11 @@ class Proxy:
         self.default_max_tokens = default_max_tokens
         context = getattr(engine, "max_context", None) or tokenizer.model_max_length or 32768
         self.max_context = int(context)
+        self.context_policy = ContextPolicy.of(context_policy)
+        """What a request that would outgrow ``max_context`` gets (:mod:`areal_agents.context`):
+        the default ``fail`` answers 400 ``context_length_exceeded``."""
+        if bad := self.context_policy.problems(self.max_context):
+            raise ValueError("invalid context policy: " + "; ".join(bad))
         self.store = store
         """The durable episode store (None: sessions live in this process only)."""
         self.sessions = SessionStore(store, restore=restore)
@@ -660,7 +676,9 @@ class Proxy:
         req = request if isinstance(request, ChatCompletionRequest) else _validate(request)
         messages = [_message_dict(m) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        prompt_ids = await self._encode(messages, tools if req.tool_choice != "none" else None, req)
+        rendered = tools if req.tool_choice != "none" else None
+        fitted = await self._fit(session, messages, rendered, req, agent)
+        prompt_ids = fitted.ids
         params = self._sampling(req, len(prompt_ids), session)
         self.counters["chat_calls"] += 1
         started = time.time()
@@ -675,7 +693,9 @@ class Proxy:
             )
             choices.append(choice)
             completion.agent = agent
+            completion.context_rewrite, completion.context_edits = fitted.rewrite, fitted.edits
             pending.append(completion)
+        pending[:0] = fitted.summaries  # recorded first: each one's completion follows it
         usage = {
             "prompt_tokens": len(prompt_ids),
             "completion_tokens": sum(len(r.output_ids) for r in results),
@@ -733,20 +753,35 @@ class Proxy:
         tools: list[dict[str, Any]] | None,
         req: ChatCompletionRequest,
     ) -> list[int]:
-        """The prompt's token ids: the template and the tokenizer run in a worker thread (a
-        long prompt does not stall the event loop); a prompt that surely cannot fit the
-        context is refused before it is tokenized (:meth:`ChatTokenizer.min_tokens`)."""
-        tokenizer, context = self.tokenizer, self.max_context
+        """The prompt's token ids; a 400 ``context_length_exceeded`` when it cannot fit the
+        model's context (see :meth:`_tokens`)."""
+        try:
+            return await self._tokens(messages, tools, req, self.max_context)
+        except _PromptTooLong as exc:
+            raise self._overflow(str(exc)) from None
+
+    async def _tokens(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        req: ChatCompletionRequest,
+        limit: int,
+    ) -> list[int]:
+        """The prompt's token ids, or :class:`_PromptTooLong` when it has ``limit`` tokens or
+        more. The template and the tokenizer run in a worker thread (a long prompt does not
+        stall the event loop); a prompt that surely reaches ``limit`` is refused before it
+        is tokenized (:meth:`ChatTokenizer.min_tokens`)."""
+        tokenizer = self.tokenizer
         kwargs = req.chat_template_kwargs or {}
 
         def encode() -> list[int]:
             text = tokenizer.render(messages, tools=tools, **kwargs)
-            if len(text) >= context:  # could be too long: a cheap lower bound first
+            if len(text) >= limit:  # could be too long: a cheap lower bound first
                 at_least = tokenizer.min_tokens(text)
-                if at_least >= context:
+                if at_least >= limit:
                     raise _PromptTooLong(f"at least {at_least}")
             ids = tokenizer.encode(text)
-            if len(ids) >= context:
+            if len(ids) >= limit:
                 raise _PromptTooLong(str(len(ids)))
             return ids
 
@@ -754,19 +789,207 @@ class Proxy:
             if _payload_chars(messages, tools) < INLINE_ENCODE_CHARS:
                 return encode()  # a short prompt: cheaper here than a trip to a thread
             return await asyncio.to_thread(encode)
-        except _PromptTooLong as exc:
-            self.counters["context_overflow"] += 1
-            raise ApiError(
-                400,
-                f"the prompt has {exc} tokens but the model's context is {context}; "
-                "shorten the conversation",
-                code="context_length_exceeded",
-                param="messages",
-            ) from None
+        except _PromptTooLong:
+            raise
         except Exception as exc:  # template errors name the offending message
             raise ApiError(
                 400, f"cannot apply the chat template: {exc}", param="messages"
             ) from None
+
+    def _overflow(self, size: str, hint: str = "shorten the conversation") -> ApiError:
+        """The 400 for a prompt of ``size`` tokens that cannot fit (``context_overflow``)."""
+        self.counters["context_overflow"] += 1
+        return ApiError(
+            400,
+            f"the prompt has {size} tokens but the model's context is {self.max_context}; {hint}",
+            code="context_length_exceeded",
+            param="messages",
+        )
+
+    # ------------------------------------------------------------------ context policy
+    async def _fit(
+        self,
+        session: Session | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        req: ChatCompletionRequest,
+        agent: str | None,
+    ) -> _Fitted:
+        """The prompt to send for ``messages``, rewritten by :attr:`context_policy` when it
+        would not leave ``reserve_tokens`` free (:mod:`areal_agents.context`)."""
+        policy = self.context_policy
+        if policy.policy == "fail":
+            return _Fitted(await self._encode(messages, tools, req))
+        limit = self._limit(policy.reserve_tokens)
+        try:
+            return _Fitted(await self._tokens(messages, tools, req, limit))
+        except _PromptTooLong:
+            pass
+        summaries: list[Completion] = []
+        if policy.policy == "summarize":
+            fitted, summaries = await self._summarized(session, messages, tools, req, agent)
+            if fitted is not None:
+                self.counters["context_rewrites"] += 1
+                self.counters["context_summarized"] += 1
+                fitted.summaries = summaries
+                return fitted
+            self.counters["context_summary_fallbacks"] += 1
+        fitted = await self._truncated(messages, tools, req)
+        fitted.summaries = summaries
+        return fitted
+
+    def _limit(self, reserve: int) -> int:
+        """The prompt length (exclusive) that leaves ``reserve`` tokens (at least 1) free."""
+        return self.max_context - max(reserve, 1) + 1
+
+    async def _fewest_truncations(
+        self,
+        messages: list[dict[str, Any]],
+        candidates: list[int],
+        tools: list[dict[str, Any]] | None,
+        req: ChatCompletionRequest,
+        limit: int,
+    ) -> tuple[list[dict[str, Any]], list[int]] | None:
+        """The edits truncating the fewest of ``candidates`` (oldest first) that bring the
+        prompt under ``limit`` tokens, and its ids; None when truncating all does not."""
+
+        async def attempt(k: int) -> list[int] | None:
+            sent = apply_edits(messages, ctx.truncation_edits(messages, candidates[:k]))
+            try:
+                return await self._tokens(sent, tools, req, limit)
+            except _PromptTooLong:
+                return None
+
+        if not candidates or (ids := await attempt(len(candidates))) is None:
+            return None
+        best, low, high = (len(candidates), ids), 1, len(candidates)
+        while low < high:  # the prompt shortens with every result truncated
+            mid = (low + high) // 2
+            if (ids := await attempt(mid)) is not None:
+                best, high = (mid, ids), mid
+            else:
+                low = mid + 1
+        return ctx.truncation_edits(messages, candidates[: best[0]]), best[1]
+
+    async def _truncated(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        req: ChatCompletionRequest,
+    ) -> _Fitted:
+        """``truncate_tool_results``: the fewest old tool results truncated that leave
+        ``reserve_tokens`` free; else all of them, if that fits the context at all; else a
+        400 ``context_length_exceeded``."""
+        policy = self.context_policy
+        head, kept = ctx.turn_bounds(messages, policy.keep_last_turns)
+        candidates = ctx.truncatable(messages, head, kept)
+        found = await self._fewest_truncations(
+            messages, candidates, tools, req, self._limit(policy.reserve_tokens)
+        )
+        edits = found[0] if found else ctx.truncation_edits(messages, candidates) or None
+        if found is not None:
+            ids = found[1]
+        else:
+            try:  # with less than reserve_tokens to answer in, as `fail` would send it
+                ids = await self._tokens(apply_edits(messages, edits), tools, req, self.max_context)
+            except _PromptTooLong as exc:
+                hint = (
+                    f"context.policy={policy.policy} truncated {len(candidates)} tool results "
+                    f"and keeps the last {policy.keep_last_turns} turns whole; shorten the "
+                    "conversation (or lower keep_last_turns)"
+                )
+                raise self._overflow(str(exc), hint) from None
+        if edits is None:
+            return _Fitted(ids)
+        self.counters["context_rewrites"] += 1
+        self.counters["context_truncated"] += 1
+        return _Fitted(ids, edits, "truncated")
+
+    async def _summarized(
+        self,
+        session: Session | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        req: ChatCompletionRequest,
+        agent: str | None,
+    ) -> tuple[_Fitted | None, list[Completion]]:
+        """``summarize``: the older turns replaced by a summary (an earlier one of this
+        session that still applies, else a new summary call), if that leaves
+        ``reserve_tokens`` free; and the summary calls made (None: fall back)."""
+        policy = self.context_policy
+        limit = self._limit(policy.reserve_tokens)
+        head, kept = ctx.turn_bounds(messages, policy.keep_last_turns)
+        earlier = session.episode.completions if session is not None else []
+        previous = ctx.previous_summary(earlier, messages, head)
+        if previous is not None and previous[0] > kept:
+            previous = None
+        if previous is not None:
+            cut, message = previous
+            edits = [{"start": head, "end": cut, "messages": [message]}]
+            try:
+                ids = await self._tokens(apply_edits(messages, edits), tools, req, limit)
+                return _Fitted(ids, edits, "summarized"), []
+            except _PromptTooLong:
+                pass
+        if kept <= (previous[0] if previous is not None else head):
+            return None, []  # nothing (more) to summarize
+        request = ctx.summary_request(messages, head, kept, previous)
+        summary = await self._summary_call(session, request, head, req, agent)
+        if summary is None:
+            return None, []
+        parent_id = find_parent(earlier, messages)
+        parent = session.episode.by_id(parent_id) if session and parent_id else None
+        summary.segment = (parent.segment if parent is not None else 0) + 1  # the one it opens
+        message = ctx.summary_message(ctx.summary_text(summary.message))
+        edits = [{"start": head, "end": kept, "messages": [message]}]
+        try:
+            ids = await self._tokens(apply_edits(messages, edits), tools, req, limit)
+        except _PromptTooLong:
+            return None, [summary]
+        return _Fitted(ids, edits, "summarized"), [summary]
+
+    async def _summary_call(
+        self,
+        session: Session | None,
+        request: list[dict[str, Any]],
+        head: int,
+        req: ChatCompletionRequest,
+        agent: str | None,
+    ) -> Completion | None:
+        """Have the model summarize: ``request`` (from :func:`~areal_agents.context.
+        summary_request`, its tool results truncated when it cannot leave
+        ``summary_max_tokens`` free itself) sampled greedily, or as ``req`` asks when
+        summaries are trained. The call as a completion (``context_rewrite:
+        "summary_call"``, not yet recorded; its segment: the one it opens), or None when
+        its request cannot fit."""
+        policy = self.context_policy
+        limit = self._limit(policy.summary_max_tokens)
+        edits: list[dict[str, Any]] | None = None
+        try:
+            ids = await self._tokens(request, None, req, limit)
+        except _PromptTooLong:
+            candidates = ctx.truncatable(request, head, len(request) - 1)
+            found = await self._fewest_truncations(request, candidates, None, req, limit)
+            if found is None:
+                return None
+            edits, ids = found
+        params = self._sampling(req, len(ids), session).replace(
+            max_new_tokens=min(policy.summary_max_tokens, self.max_context - len(ids)),
+            stop=(),
+            top_logprobs=0,
+        )
+        if not policy.summary_trained:
+            params = params.replace(temperature=0.0, top_p=1.0, top_k=0)
+        self.counters["context_summary_calls"] += 1
+        started = time.time()
+        (result,) = await self._generate(session, ids, params, 1)
+        cid = "chatcmpl-" + uuid.uuid4().hex[:24]
+        plain = req.model_copy(update={"logprobs": False, "tool_choice": "none"})
+        _, summary = self._choice(0, cid, result, plain, request, None, [], ids, params, started)
+        summary.agent = agent
+        summary.context_rewrite, summary.context_edits = SUMMARY_CALL, edits
+        summary.trained = policy.summary_trained
+        return summary
 
     def _sampling(
         self, req: ChatCompletionRequest, prompt_len: int, session: Session | None = None
@@ -1060,6 +1283,18 @@ async def _sse(
 # ---------------------------------------------------------------------- request limits
 class _PromptTooLong(Exception):
     """The prompt cannot fit the model's context (the message says how many tokens)."""
+
+
+@dataclass
+class _Fitted:
+    """The prompt a request is sent as (:meth:`Proxy._fit`): its ids, the edits that made
+    it from the request's messages and their kind (None: as sent), and the summary calls
+    made for it."""
+
+    ids: list[int]
+    edits: list[dict[str, Any]] | None = None
+    rewrite: str | None = None
+    summaries: list[Completion] = field(default_factory=list)
 
 
 @dataclass

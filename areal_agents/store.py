@@ -21,7 +21,9 @@ enough); a store never holds a key that could be replayed.
 
 Tables: ``sessions`` (one row per session: ids, key hash, group, task, metadata, sampling,
 times, end, final reward, errors, ``deleted_at``), ``completions`` (one row per model call,
-keyed by session and sequence number), ``responses`` (the Responses API's conversations, for
+keyed by session and sequence number; since revision 0003 with ``context_rewrite``,
+``context_edits`` (JSON), ``segment`` and ``trained``, NULL in older rows: not rewritten,
+segment 0, trained), ``responses`` (the Responses API's conversations, for
 ``previous_response_id``), ``worker_tasks`` (the worker API's tasks and their outcomes) and
 ``train_tokens`` (what the trainer did with each completion it trained, per step).
 
@@ -78,7 +80,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EpisodeStore", "hash_key", "store_url"]
 
-SCHEMA_HEAD = "0002"
+SCHEMA_HEAD = "0003"
 """The Alembic revision this code reads and writes."""
 
 metadata = sa.MetaData()
@@ -128,6 +130,10 @@ completions = sa.Table(
     sa.Column("queue_s", sa.Float, nullable=False),
     sa.Column("reward", sa.Float, nullable=False),
     sa.Column("agent", sa.Text, nullable=True),
+    sa.Column("context_rewrite", sa.Text, nullable=True),
+    sa.Column("context_edits", sa.Text, nullable=True),
+    sa.Column("segment", sa.Integer, nullable=True),
+    sa.Column("trained", sa.Boolean, nullable=True),
     sa.Index("ix_completions_id", "session_id", "id"),
     sa.Index("ix_completions_agent", "agent", "session_id"),
 )
@@ -441,6 +447,22 @@ class EpisodeStore:
         self.submit((UPDATE_REWARD, {"w_session": sid, "w_id": completion_id, "reward": value}))
         return self.submit((UPDATE_SESSION, {"w_id": sid, "last_active": now}))
 
+    def put_rescored(self, episode: Episode) -> concurrent.futures.Future[Any]:
+        """Write an ended episode's rewards again, after it was scored outside its session
+        (a judge): every completion's reward, the final reward, the end reason, errors and
+        metadata."""
+        sid = episode.session_id
+        for c in episode.completions:
+            self.submit((UPDATE_REWARD, {"w_session": sid, "w_id": c.id, "reward": c.reward}))
+        row = {
+            "w_id": sid,
+            "final_reward": episode.final_reward,
+            "end_reason": episode.end_reason,
+            "errors": _dumps(episode.errors),
+            "metadata": _dumps(episode.metadata),
+        }
+        return self.submit((UPDATE_SESSION, row))
+
     def put_deleted(self, session_id: str) -> concurrent.futures.Future[Any]:
         """Mark a session deleted: its key stops working, its records stay."""
         return self.submit(
@@ -745,6 +767,12 @@ def _completion_row(
         "queue_s": completion.queue_s,
         "reward": completion.reward,
         "agent": completion.agent,
+        "context_rewrite": completion.context_rewrite,
+        "context_edits": None
+        if completion.context_edits is None
+        else _dumps(completion.context_edits),
+        "segment": completion.segment,
+        "trained": completion.trained,
     }
 
 
@@ -885,6 +913,11 @@ def _rebuild(rows: Any, bases: dict[str, PromptBase]) -> Iterator[Completion]:
             parent_id=r["parent_id"],
             reward=r["reward"],
             agent=r["agent"],
+            # rows written before revision 0003 hold NULL: not rewritten, trained
+            context_rewrite=r["context_rewrite"],
+            context_edits=None if r["context_edits"] is None else json.loads(r["context_edits"]),
+            segment=r["segment"] or 0,
+            trained=r["trained"] is not False,
         )
         built.append(c)
         bases[c.id] = PromptBase(r["base_seq"], r["base_tokens"], r["base_messages"])

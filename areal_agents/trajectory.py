@@ -23,6 +23,17 @@ The data contract, in code (what every engine, proxy and trainer path agrees on)
   sample, the in-between tokens (tool results, user turns, template glue) masked. Only an only
   child merges (a parent with several children would otherwise be trained several times). The
   decision for every completion is recorded in ``merge`` and summarised as metrics.
+* Context rewrites (:mod:`areal_agents.context`): when the proxy had to shorten a request
+  to fit the model's context, ``messages`` stays what the client sent (parents are found on
+  it, so the tree and its returns run across the rewrite), ``context_edits`` says what was
+  sent instead (:attr:`Completion.sent_messages`) and ``prompt_ids`` are its tokens, as
+  sampled from. Such a completion starts a new ``segment``: its prompt does not extend its
+  parent's, so it gets a sample of its own (merge reason ``context_rewrite``); the calls
+  after it in the same segment merge into it as usual. A summary call the proxy made is a
+  completion of its own (``context_rewrite == "summary_call"``), outside the tree: no
+  parent, no children, a leaf credited with the final reward like any other, but not a
+  root of the episode's return (``trainer.advantage.completion_returns``); untrained
+  (``trained=False``, no sample) unless the policy trains summaries.
 """
 
 from __future__ import annotations
@@ -31,6 +42,9 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+SUMMARY_CALL = "summary_call"
+"""``Completion.context_rewrite`` of a call the proxy made to summarize a conversation."""
 
 
 @dataclass
@@ -60,10 +74,59 @@ class Completion:
     """The agent that made the call, as its request named it (header ``X-Areal-Agent``;
     ``run_agent`` sends the name of the SDK agent whose turn it is). ``agent.train`` picks
     the agents whose completions are trained."""
+    context_rewrite: str | None = None
+    """How the proxy rewrote a request that outgrew the model's context
+    (:mod:`areal_agents.context`): ``"truncated"`` (old tool results replaced by a marker),
+    ``"summarized"`` (older turns replaced by a summary), ``"summary_call"`` (this call
+    wrote such a summary), or None (sent as the client sent it)."""
+    context_edits: list[dict[str, Any]] | None = None
+    """What was sent instead of ``messages`` when the request was rewritten: edits
+    ``{start, end, messages}`` in order, each replacing ``messages[start:end]`` (indices
+    into ``messages``) by ``messages`` (see :attr:`sent_messages`); None when not rewritten.
+    ``messages`` stays the client's own request, so parent links follow the conversation
+    the client holds, across rewrites."""
+    segment: int = 0
+    """Which context segment of its branch this call belongs to: a root starts at 0 (1 when
+    its own request was rewritten), and a child has its parent's segment, plus 1 when what
+    it sent does not continue what its parent sent and answered (a rewrite began a new
+    segment; :meth:`Episode.add` sets it). A summary call has the segment it opens."""
+    trained: bool = True
+    """False: recorded, but its tokens carry no loss (:func:`build_samples` gives it no
+    sample; its merge decision says ``not_trained``). The proxy records its summary calls
+    with False unless ``summary_trained``."""
 
     @property
     def tool_call_ids(self) -> list[str]:
         return [tc.get("id", "") for tc in self.message.get("tool_calls") or []]
+
+    @property
+    def sent_messages(self) -> list[dict[str, Any]]:
+        """The messages rendered into ``prompt_ids``: ``messages`` with ``context_edits``
+        applied (``messages`` itself when the request was not rewritten)."""
+        return apply_edits(self.messages, self.context_edits)
+
+
+def apply_edits(
+    messages: list[dict[str, Any]], edits: Sequence[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """``messages`` with each edit ``{start, end, messages}`` (in order, not overlapping,
+    indices into ``messages``) replacing ``messages[start:end]`` by its ``messages``."""
+    if not edits:
+        return messages
+    out: list[dict[str, Any]] = []
+    at = 0
+    for e in edits:
+        start, end = int(e["start"]), int(e["end"])
+        if not at <= start <= end <= len(messages):
+            raise ValueError(
+                f"context edit [{start}, {end}) does not fit {len(messages)} messages "
+                f"after position {at}"
+            )
+        out.extend(messages[at:start])
+        out.extend(e["messages"])
+        at = end
+    out.extend(messages[at:])
+    return out
 
 
 @dataclass
@@ -117,12 +180,29 @@ class Episode:
 
     # -- building --------------------------------------------------------------------
     def add(self, completion: Completion) -> Completion:
-        """Append ``completion``, linking it to its parent (see the module docstring)."""
+        """Append ``completion``, linking it to its parent (see the module docstring) and
+        setting its :attr:`~Completion.segment`. A summary call (``context_rewrite ==
+        "summary_call"``) is never linked: it has no parent and is no one's parent."""
         keys = [message_key(m) for m in completion.messages]
-        completion.parent_id = _longest_prefix(self.completions, keys, self._chain)
+        if completion.context_rewrite == SUMMARY_CALL:
+            completion.parent_id = None
+        else:
+            completion.parent_id = _longest_prefix(self.completions, keys, self._chain)
+            completion.segment = self._segment(completion, keys)
         self.completions.append(completion)
         self._request_keys[id(completion)] = (completion, len(completion.messages), keys)
         return completion
+
+    def _segment(self, c: Completion, keys: list[tuple[Any, ...]]) -> int:
+        """``c``'s segment (see :attr:`Completion.segment`), its parent already linked."""
+        parent = self.by_id(c.parent_id) if c.parent_id is not None else None
+        if parent is None:
+            return 1 if c.context_edits else 0
+        if not (c.context_edits or parent.context_edits):
+            return parent.segment  # both as the client sent them: the link is the prefix
+        sent = keys if not c.context_edits else [message_key(m) for m in c.sent_messages]
+        before = [*(message_key(m) for m in parent.sent_messages), message_key(parent.message)]
+        return parent.segment + (0 if sent[: len(before)] == before else 1)
 
     def _chain(self, c: Completion) -> list[tuple[Any, ...]]:
         """The keys of ``c.messages`` (remembered since ``add``) + ``c.message``."""
@@ -193,7 +273,7 @@ class Episode:
             n_samples = len(samples)
         else:  # no samples to build: the decisions alone, O(tokens)
             samples, merges = [], merge_decisions(self)
-            n_samples = sum(1 for m in merges if not m["merged"])
+            n_samples = sum(1 for m in merges if not m["merged"] and m["reason"] != "not_trained")
         completions = []
         for i in range(offset, end):
             c, m = self.completions[i], merges[i]
@@ -218,7 +298,7 @@ class Episode:
             d["merge"] = m
             completions.append(d)
         merged = sum(1 for m in merges if m["merged"])
-        eligible = sum(1 for m in merges if m["reason"] != "root")
+        eligible = sum(1 for m in merges if m["reason"] not in UNMERGEABLE)
         return {
             "session_id": self.session_id,
             "group_id": self.group_id,
@@ -350,6 +430,8 @@ def _longest_prefix(
     are the longest prefix of ``keys``; the latest on ties."""
     best: tuple[int, str] | None = None
     for c in earlier:
+        if c.context_rewrite == SUMMARY_CALL:  # a request of the proxy's own, not a turn
+            continue
         n = len(c.messages) + 1
         if n > len(keys) or (best is not None and n < best[0]):
             continue
@@ -416,6 +498,8 @@ def build_samples(
     owner: dict[str, int] = {}  # completion id -> index of its sample
     merges = merge_decisions(episode)
     for c, decision in zip(episode.completions, merges, strict=True):
+        if decision["reason"] == "not_trained":
+            continue
         if decision["merged"]:
             s = samples[owner[c.parent_id]]  # type: ignore[index]
             gap = c.prompt_ids[len(s.input_ids) :]
@@ -437,15 +521,28 @@ def build_samples(
     return samples, merges
 
 
+UNMERGEABLE = ("root", "not_trained")
+"""Merge reasons of completions that have no parent sample to merge into (left out of the
+merge rate)."""
+
+
 def merge_decisions(episode: Episode) -> list[dict[str, Any]]:
     """The merge decision of every completion, as :func:`build_samples` makes it, without
     building the samples: a sample always ends with its last completion's prompt + output,
     so a child merges iff it is its parent's only child and its prompt starts with the
-    parent's prompt + output (known from :attr:`Episode.bases` where recorded)."""
+    parent's prompt + output (known from :attr:`Episode.bases` where recorded).
+
+    A completion that is not trained (:attr:`Completion.trained`) gets no sample
+    (``not_trained``), and its children none of its (``parent_not_trained``). A child whose
+    prompt does not extend its parent's because the proxy rewrote the context in between
+    (another :attr:`Completion.segment`) is ``context_rewrite``, not a ``token_mismatch``."""
     kids = episode.children()
     index = {c.id: i for i, c in enumerate(episode.completions)}
     out: list[dict[str, Any]] = []
     for c in episode.completions:
+        if not c.trained:
+            out.append({"merged": False, "reason": "not_trained"})
+            continue
         if c.parent_id is None:
             out.append({"merged": False, "reason": "root"})
             continue
@@ -456,6 +553,9 @@ def merge_decisions(episode: Episode) -> list[dict[str, Any]]:
             )
             continue
         p = episode.completions[index[c.parent_id]]
+        if not p.trained:
+            out.append({"merged": False, "reason": "parent_not_trained"})
+            continue
         n = len(p.prompt_ids) + len(p.output_ids)
         known = episode.bases.get(c.id)
         if known is not None and known.index == index[p.id] and known.tokens == n:
@@ -465,7 +565,8 @@ def merge_decisions(episode: Episode) -> list[dict[str, Any]]:
         if shared == n:
             out.append({"merged": True, "reason": "token_prefix"})
         else:
-            out.append({"merged": False, "reason": "token_mismatch", "position": shared})
+            why = "context_rewrite" if c.segment != p.segment else "token_mismatch"
+            out.append({"merged": False, "reason": why, "position": shared})
     return out
 
 

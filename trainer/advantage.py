@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 from torch import Tensor
 
+from areal_agents.trajectory import SUMMARY_CALL
+
 if TYPE_CHECKING:
     from areal_agents.trajectory import Episode
 
@@ -229,7 +231,9 @@ def completion_returns(episodes: Sequence[Episode], gamma: float = 1.0) -> Compl
             groups.append(ep.group_id)
             eps.append(ep.session_id)
             cids.append(c.id)
-            roots.append(c.parent_id is None)
+            # a summary call of the proxy's context policy has no parent, but it does not
+            # start the episode: its return is no part of the episode's return
+            roots.append(c.parent_id is None and c.context_rewrite != SUMMARY_CALL)
     return CompletionReturns(
         torch.tensor(rets, dtype=torch.float64), groups, eps, cids, torch.tensor(roots)
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from areal_agents.trajectory import Completion, Episode, TrainingSample
+from areal_agents.trajectory import UNMERGEABLE, Completion, Episode, TrainingSample
 
 from .advantage import completion_returns, completion_state_keys
 from .algorithms import AlgorithmSpec, OverlongSpec
@@ -163,7 +163,7 @@ def build_batch(
         if masked:
             samples = [_masked(s, masked) for s in samples]
         merged += sum(1 for m in merges if m["merged"])
-        eligible += sum(1 for m in merges if m["reason"] != "root")
+        eligible += sum(1 for m in merges if m["reason"] not in UNMERGEABLE)
         if out.gae is not None:
             out.gae.extend(gae_inputs(ep, samples, gamma))
         decision = {c.id: m for c, m in zip(ep.completions, merges, strict=True)}

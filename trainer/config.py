@@ -1,7 +1,8 @@
 """Training configuration: small frozen dataclasses, one per component, and one loader.
 
 ``TrainConfig`` composes ``env``, ``model`` (with ``lora``), ``algorithm``, ``sampling``,
-``rollout``, ``optim``, ``loss``, ``critic`` (PPO's value model), ``advantage`` (the
+``rollout``, ``context`` (what the proxy does with conversations that outgrow the model's
+context), ``optim``, ``loss``, ``critic`` (PPO's value model), ``advantage`` (the
 estimator, when not the algorithm's own), ``train``, ``sft``,
 ``metrics``, ``agent`` (the user's agent in this process), ``workers`` (the worker API of
 external agents) and ``scheduler``. Only ``env.id`` has no default (``model.path: null`` is the
@@ -135,6 +136,58 @@ class ModelConfig(_Checked):
             ("device", device_ok, "'cpu', 'cuda', 'cuda:N' (or null = auto)"),
             ("max_context", self.max_context is None or self.max_context >= 1, ">= 1 or null"),
         )
+
+
+@dataclass(frozen=True)
+class ContextConfig(_Checked):
+    """What the proxy does with a conversation that outgrows ``model.max_context``, for
+    env-driven, in-process and external agents alike (:mod:`areal_agents.context`)."""
+
+    policy: Literal["fail", "truncate_tool_results", "summarize"] = "fail"
+    """``fail``: the call is a 400 ``context_length_exceeded`` and the episode ends as
+    ``context_overflow``. ``truncate_tool_results``: the oldest tool results are replaced by
+    a marker until the prompt leaves ``reserve_tokens`` free. ``summarize``: the model
+    summarizes the older turns (a recorded call of its own) and they are sent as that
+    summary; truncation when the summary does not make it fit. A rewritten call starts a
+    new segment: a training sample of its own, its returns still along the episode's tree."""
+    reserve_tokens: int = 512
+    """Tokens kept free for the answer: a request is rewritten once its prompt + this would
+    exceed the context (the rewriting policies only)."""
+    keep_last_turns: int = 2
+    """The last this many turns (an assistant message and the tool results after it) are
+    never truncated nor summarized; 0 = none kept (the rewriting policies only)."""
+    summary_max_tokens: int = 512
+    """``summarize``: the longest summary in tokens."""
+    summary_trained: bool = False
+    """``summarize``: train the summary calls (sampled like the agent's calls); false: they
+    are greedy and carry no loss."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        return (
+            ("reserve_tokens", self.reserve_tokens >= 0, ">= 0"),
+            ("keep_last_turns", self.keep_last_turns >= 0, ">= 0 (0 = no turn kept whole)"),
+            ("summary_max_tokens", self.summary_max_tokens >= 1, ">= 1"),
+        )
+
+    def _problems(self) -> list[str]:
+        out = super()._problems()
+        base = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, policies in _CONTEXT_KEY_POLICIES.items():
+            if self.policy not in policies and getattr(self, name) != base[name]:
+                out.append(
+                    f"{name}: set, but context.policy={self.policy} does not use it; set "
+                    f"context.policy={'|'.join(policies)} or remove context.{name}"
+                )
+        return out
+
+
+_CONTEXT_KEY_POLICIES = {
+    "reserve_tokens": ("truncate_tool_results", "summarize"),
+    "keep_last_turns": ("truncate_tool_results", "summarize"),
+    "summary_max_tokens": ("summarize",),
+    "summary_trained": ("summarize",),
+}
+"""The ``context`` keys and the policies that use them."""
 
 
 @dataclass(frozen=True)
@@ -531,6 +584,144 @@ class EvalConfig(_Checked):
         )
 
 
+_CRITERION = re.compile(r"[A-Za-z][\w -]{0,39}")
+
+
+@dataclass(frozen=True)
+class JudgeConfig(_Checked):
+    """An LLM judge of the episodes' final answers (:mod:`trainer.judge`)."""
+
+    mode: Literal["none", "rubric", "ranking"] = "none"
+    """``rubric``: each answer scored per criterion (weighted mean); ``ranking``: a group's
+    answers scored relative to each other (no reference needed); ``none``: no judge."""
+    base_url: str | None = None
+    """An OpenAI-compatible ``/v1`` URL of the judge; None = this run's own proxy and model
+    (its calls recorded as sessions of groups ``judge-*``, never trained)."""
+    model: str | None = None
+    """The model name sent to ``base_url``; None = the first model it lists."""
+    api_key_env: str | None = None
+    """The environment variable holding the judge's API key (with ``base_url``)."""
+    rubric: dict[str, Any] = field(default_factory=dict)
+    """The criteria, ``{name: description}`` or ``{name: {description: ..., weight: 2}}``;
+    required by ``rubric``, the points to compare by in ``ranking``."""
+    scoring: Literal["text", "logprobs"] = "text"
+    """How a rubric judge gives its scores: ``text``, one line ``name: score`` (0-10) per
+    criterion; ``logprobs``, one yes/no question per criterion, scored 10 * P(yes) /
+    (P(yes) + P(no)) from the first token's ``top_logprobs``: no format to follow, for small
+    judges (the endpoint must return logprobs)."""
+    include_trace: bool = False
+    """Show the judge the tool calls the episode made and the start of each result (within
+    ``max_answer_chars``), with the answer."""
+    max_answer_chars: int = 2000
+    """Each answer (and the task) is cut to this many characters in the judge's prompt."""
+    max_tokens: int = 128
+    """Tokens the judge may write per call."""
+    temperature: float = 0.0
+    """The judge's sampling temperature (0 = greedy)."""
+    timeout_s: float = 60.0
+    """A judge call that takes longer fails (the episode ends as ``judge_error``)."""
+    retries: int = 1
+    """Times an unreadable reply is asked again, before the episode ends as ``judge_error``."""
+    concurrency: int = 4
+    """Judge calls in flight at once."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        bad = [n for n, v in self.rubric.items() if not _criterion_ok(n, v)]
+        unused = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name != "mode" and getattr(self, f.name) != _default(f)
+        ]
+        return (
+            (
+                "mode",
+                self.mode != "none" or not unused,
+                f"rubric or ranking: {', '.join(unused) or '-'} set, but no judge runs",
+            ),
+            (
+                "rubric",
+                not bad,
+                "{name: description} or {name: {description: text, weight: number > 0}}, "
+                "names of letters, digits, spaces, _ or - (at most 40); check "
+                + ", ".join(map(repr, bad)),
+            ),
+            (
+                "rubric",
+                self.mode != "rubric" or bool(self.rubric),
+                "at least one criterion with mode=rubric",
+            ),
+            (
+                "scoring",
+                self.scoring == "text" or self.mode != "ranking",
+                "text with mode=ranking (answers are ranked in writing)",
+            ),
+            ("max_answer_chars", self.max_answer_chars >= 1, ">= 1"),
+            ("max_tokens", self.max_tokens >= 1, ">= 1"),
+            ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
+            ("timeout_s", self.timeout_s > 0, "> 0"),
+            ("retries", self.retries >= 0, ">= 0"),
+            ("concurrency", self.concurrency >= 1, ">= 1"),
+            (
+                "model",
+                self.model is None or self.base_url is not None,
+                "null without base_url (the run's own proxy serves its own model)",
+            ),
+            (
+                "api_key_env",
+                self.api_key_env is None or self.base_url is not None,
+                "null without base_url (the run's own proxy needs no key)",
+            ),
+        )
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _criterion_ok(name: Any, spec: Any) -> bool:
+    if not isinstance(name, str) or not _CRITERION.fullmatch(name):
+        return False
+    if isinstance(spec, str):
+        return bool(spec.strip())
+    if not isinstance(spec, Mapping) or set(spec) - {"description", "weight"}:
+        return False
+    w = spec.get("weight", 1.0)
+    desc = spec.get("description")
+    return isinstance(desc, str) and bool(desc.strip()) and _is_number(w) and w > 0
+
+
+@dataclass(frozen=True)
+class RewardsConfig(_Checked):
+    """Rewards beyond the env's: a judge's score of the final answer, combined with the
+    env's rewards as ``env_weight * r_t`` per turn and ``env_weight * R + judge_weight *
+    score`` for the final reward."""
+
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    judge_weight: float = 1.0
+    """Weight of the judge's score (in [0, 1]) in the final reward."""
+    env_weight: float = 1.0
+    """Weight of the env's rewards (0 = the judge alone)."""
+
+    def _rules(self) -> Sequence[tuple[str, bool, str]]:
+        judged = self.judge.mode != "none"
+        return (
+            ("judge_weight", _is_number(self.judge_weight), "a number"),
+            ("env_weight", _is_number(self.env_weight), "a number"),
+            (
+                "judge_weight",
+                judged or self.judge_weight == 1.0,
+                "left at 1 without a judge (set rewards.judge.mode)",
+            ),
+            (
+                "env_weight",
+                judged or self.env_weight == 1.0,
+                "left at 1 without a judge (set rewards.judge.mode)",
+            ),
+        )
+
+
 @dataclass(frozen=True)
 class MetricsConfig(_Checked):
     """Where training metrics go (always under train.output_dir)."""
@@ -608,6 +799,8 @@ class TrainConfig(_Checked):
     """Sampling during rollouts."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Episode collection and staleness."""
+    context: ContextConfig = field(default_factory=ContextConfig)
+    """What the proxy does with conversations that outgrow ``model.max_context``."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -624,6 +817,8 @@ class TrainConfig(_Checked):
     """Metric sinks."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation before, during and after training."""
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    """Rewards beyond the env's: an LLM judge of the final answers."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """The user's agent in this process; none = the model drives the env."""
     workers: WorkersConfig = field(default_factory=WorkersConfig)
@@ -756,6 +951,12 @@ class TrainConfig(_Checked):
                 "self-rewarded sessions or scheduler=ray, evaluate the checkpoints with "
                 "areal-agent eval instead, and set eval.episodes=0"
             )
+        judge = self.rewards.judge
+        if judge.mode != "none" and judge.base_url is None and self.scheduler == "ray":
+            out.append(
+                "rewards.judge.base_url: with scheduler=ray the proxy is not in this "
+                "process; give the judge's OpenAI-compatible URL (e.g. a served model)"
+            )
         total = self.optim.total_steps or self.train.steps
         if self.optim.warmup_steps > total:
             out.append(
@@ -770,6 +971,28 @@ class TrainConfig(_Checked):
                 f"train.micro_batch_tokens: must be >= model.max_context={ctx} (one "
                 f"full-length sequence fits a micro-batch), got {self.train.micro_batch_tokens}"
             )
+        out.extend(self._context_problems())
+        return out
+
+    def _context_problems(self) -> list[str]:
+        """``context.*`` against the model's context and the scheduler."""
+        out: list[str] = []
+        c, ctx = self.context, self.model.max_context
+        if c.policy == "fail":
+            return out
+        if self.scheduler == "ray":
+            out.append(
+                f"context.policy: {c.policy} is applied by the trainer's own proxy, and with "
+                "scheduler=ray the rollout workers' proxies apply none; use scheduler=local "
+                "or context.policy=fail"
+            )
+        limits = ["reserve_tokens"] + (["summary_max_tokens"] if c.policy == "summarize" else [])
+        for name in limits:
+            if ctx is not None and getattr(c, name) >= ctx:
+                out.append(
+                    f"context.{name}: must be below model.max_context={ctx}, got "
+                    f"{getattr(c, name)}; lower it or raise model.max_context"
+                )
         return out
 
 

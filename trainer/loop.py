@@ -181,6 +181,8 @@ class Trainer:
         weights and the source starts producing groups. The first step's time accounting
         (``time/*``) starts here, after the models are loaded."""
         self._t_window, self._cpu_window = time.perf_counter(), time.process_time()
+        if self.source.judge is not None:  # an unreachable judge fails before any episode
+            await self.source.judge.start()
         resumed = self.resume and self._restore()
         if resumed:
             self._t_start -= self.state.elapsed_s
@@ -480,6 +482,7 @@ class Trainer:
             **{f"dropped/{k}": float(v) for k, v in dropped.items()},
         }
         scalars.update(await self._engine_counters())
+        scalars.update(self.source.metrics())
         scalars["_staleness"] = [float(s) for s in stale]
         return scalars
 

@@ -56,6 +56,7 @@ from areal_agents.runner import EpisodeResult, Runner
 from .advantage import filter_uniform_groups
 from .checkpoint import RunState
 from .config import GROUP_ALGORITHMS, TrainConfig
+from .judge import make_judge
 from .staleness import StalenessGate
 
 EnvFactory = Callable[[], Any]
@@ -118,6 +119,9 @@ class GroupSource:
         self.gate: StalenessGate | None = None
         self.store: Any = None
         """The run's episode store (``RUN_DIR/episodes.db``), closed with the source."""
+        self.judge: Any = None
+        """The run's :class:`trainer.judge.Judge` (``rewards.judge``): scores each finished
+        group before it is counted and checked."""
 
     make_env: EnvFactory | None = None
     """The env the source's episodes run in (None: the episodes bring their own rewards)."""
@@ -183,9 +187,15 @@ class GroupSource:
             self._failure.exception()  # retrieved: no "never retrieved" warning
         self.state.dropped = dict(self.dropped)
 
+    def metrics(self) -> dict[str, float]:
+        """The source's own metrics of a step (the judge's ``judge/*``)."""
+        return self.judge.metrics() if self.judge is not None else {}
+
     async def close(self) -> None:
-        """:meth:`stop`, then release what the source owns (the episode store)."""
+        """:meth:`stop`, then release what the source owns (the judge, the episode store)."""
         await self.stop()
+        if self.judge is not None:
+            await self.judge.close()
         if self.store is not None:  # episodes cut short here end as "cancelled" in the store
             self.store.flush_sync()
             self.store.close_open("cancelled")
@@ -263,6 +273,12 @@ class GroupSource:
         dynamic sampling), its gate slot freed, and queued for training or skipped."""
         s = self.settings
         assert self.gate is not None
+        if self.judge is not None and not probed_out:
+            with spans.span("rollout", "judge", group=g):
+                rescored = await self.judge.apply(f"g{g}", results)
+            if self.store is not None:
+                for r in rescored:
+                    self.store.put_rescored(r.episode)
         self._count_failures(results)
         ok = _usable(results)
         keep = not probed_out and len(ok) >= s.min_episodes
@@ -632,8 +648,11 @@ def build_rollout(
     }
     if cfg.scheduler == "ray":
         engine, runner = _ray_rollout(cfg, model_path, runner_kwargs)
-        return Rollout(engine, RaySource(settings, state, runner, make_env, agent))
+        ray_source = RaySource(settings, state, runner, make_env, agent)
+        ray_source.judge = make_judge(cfg.rewards, None, out)  # over rewards.judge.base_url
+        return Rollout(engine, ray_source)
 
+    from areal_agents.context import policy_of
     from areal_agents.embedded import EmbeddedEngine
     from areal_agents.hardware import default_device, resolve_dtype
     from areal_agents.proxy import Proxy
@@ -660,10 +679,12 @@ def build_rollout(
         default_max_tokens=cfg.sampling.max_new_tokens,  # for agent calls that set none
         store=store,
         restore=False,  # sessions of an earlier process belong to groups that are gone
+        context_policy=policy_of(cfg),  # context.*: conversations that outgrow the context
     )
+    judge = make_judge(cfg.rewards, proxy, out)
     if agent is None and cfg.rollout.agents == "local":
         runner = Runner(proxy, **runner_kwargs)
-        return _stored(engine, EnvSource(settings, state, runner, make_env), store)
+        return _stored(engine, EnvSource(settings, state, runner, make_env), store, judge)
     from areal_agents.server import LoopServer
 
     host, port = cfg.workers.host, cfg.workers.port
@@ -682,7 +703,7 @@ def build_rollout(
             sampling=runner_kwargs["sampling"],
             sampling_by_kind=runner_kwargs["sampling_by_kind"],
         )
-        return _stored(engine, source, store)
+        return _stored(engine, source, store, judge)
     hub = None
     if external:
         from areal_agents.workers import WorkerHub
@@ -700,12 +721,14 @@ def build_rollout(
         if not quiet:
             print(f"worker API on {server.url} (token in {out / 'workers.json'})", flush=True)
         external_source = ExternalSource(settings, state, runner, make_env, hub, server)
-        return _stored(engine, external_source, store)
-    return _stored(engine, AgentSource(settings, state, runner, make_env, agent, server), store)
+        return _stored(engine, external_source, store, judge)
+    return _stored(
+        engine, AgentSource(settings, state, runner, make_env, agent, server), store, judge
+    )
 
 
-def _stored(engine: Any, source: GroupSource, store: Any) -> Rollout:
-    source.store = store
+def _stored(engine: Any, source: GroupSource, store: Any, judge: Any) -> Rollout:
+    source.store, source.judge = store, judge
     return Rollout(engine, source)
 
 

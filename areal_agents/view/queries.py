@@ -390,6 +390,8 @@ def episode_detail(store: EpisodeStore, session_id: str, gamma: float) -> dict[s
                 "id": c.id,
                 "parent_id": c.parent_id,
                 "agent": c.agent,
+                "context_rewrite": c.context_rewrite,
+                "segment": c.segment,
                 "new_messages": [
                     {**m, "text": message_text(m), "calls": _tool_calls(m)} for m in new_messages
                 ],

@@ -83,7 +83,7 @@ def _tool_call(name: str, arguments: dict) -> dict:
 
 
 def test_a_0001_store_with_rows_upgrades_and_old_words_are_found(store_url: str) -> None:
-    """A store made by revision 0001 holding a session: opening it upgrades it to 0002 with
+    """A store made by revision 0001 holding a session: opening it upgrades it (to 0003) with
     the old row in the search index, an empty train_tokens table and the new indexes."""
     from alembic import command
     from alembic.config import Config
@@ -106,15 +106,18 @@ def test_a_0001_store_with_rows_upgrades_and_old_words_are_found(store_url: str)
     with engine.begin() as conn:
         assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0001"
         conn.execute(sessions.insert(), store_module._session_row(session))
-        conn.execute(completions.insert(), store_module._completion_row(session, 0, c, []))
+        row = store_module._completion_row(session, 0, c, [])
+        for later in ("context_rewrite", "context_edits", "segment", "trained"):  # 0003
+            del row[later]
+        conn.execute(completions.insert(), row)
     engine.dispose()
 
     store = EpisodeStore(store_url)
     with store.engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0002"
+        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0003"
         names = {ix["name"] for ix in sa.inspect(conn).get_indexes("sessions")}
         agent_ix = {ix["name"] for ix in sa.inspect(conn).get_indexes("completions")}
-    assert SCHEMA_HEAD == "0002"
+    assert SCHEMA_HEAD == "0003"
     assert {"ix_sessions_created_at", "ix_sessions_end_reason", "ix_sessions_task_id"} <= names
     assert "ix_completions_agent" in agent_ix
     assert _matches(store, "lighthouse") == {"s-old"}

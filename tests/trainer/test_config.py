@@ -50,6 +50,16 @@ rollout:
   episode_timeout_s: null
   gamma: 0.9
   probe_size: 2
+context: {policy: fail, reserve_tokens: 512, keep_last_turns: 2, summary_max_tokens: 512,
+          summary_trained: false}
+rewards:
+  judge: {mode: rubric, base_url: "http://127.0.0.1:8011/v1", model: judge, api_key_env: null,
+          rubric: {correct: {description: The answer names the right entity., weight: 2.0},
+                   concise: {description: At most two sentences., weight: 1.0}}, scoring: text, include_trace: true,
+          max_answer_chars: 1000, max_tokens: 64, temperature: 0.0, timeout_s: 30.0, retries: 2,
+          concurrency: 2}
+  judge_weight: 0.5
+  env_weight: 0.8
 optim:
   lr: 2e-6
   weight_decay: 0.01
@@ -152,6 +162,8 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
     assert cfg.sft.kind == "episodes" and cfg.sft.lr == 1e-5
     assert cfg.metrics.tensorboard is False
     assert (cfg.advantage.estimator, cfg.advantage.omega) == ("step_group", 0.5)
+    assert cfg.rewards.judge.rubric["correct"]["weight"] == 2.0
+    assert (cfg.rewards.judge_weight, cfg.rewards.env_weight) == (0.5, 0.8)
 
     # The whole file, section by section, comes back out of to_dict.
     assert to_dict(cfg) == yaml.safe_load(FULL_YAML.replace("2e-6", "2.0e-6"))
