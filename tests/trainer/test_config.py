@@ -55,9 +55,9 @@ context: {policy: fail, reserve_tokens: 512, keep_last_turns: 2, summary_max_tok
 rewards:
   judge: {mode: rubric, base_url: "http://127.0.0.1:8011/v1", model: judge, api_key_env: null,
           rubric: {correct: {description: The answer names the right entity., weight: 2.0},
-                   concise: {description: At most two sentences., weight: 1.0}}, scoring: text, include_trace: true,
-          max_answer_chars: 1000, max_tokens: 64, temperature: 0.0, timeout_s: 30.0, retries: 2,
-          concurrency: 2}
+                   concise: {description: At most two sentences., weight: 1.0}},
+          scoring: text, include_trace: true, max_answer_chars: 1000, max_tokens: 64,
+          temperature: 0.0, timeout_s: 30.0, retries: 2, concurrency: 2}
   judge_weight: 0.5
   env_weight: 0.8
 optim:
