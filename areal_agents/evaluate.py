@@ -62,6 +62,10 @@ class EvalReport:
     duration_s: float = 0.0
     distinct_tasks: int | None = None
     """How many of the tasks differ (None when the env has no fixed pool to draw from)."""
+    mean_tool_calls: float | None = None
+    """Tool calls per episode, over the episodes whose env ran the tools (else None)."""
+    tool_call_validity: float | None = None
+    """Share of those calls whose result was not an error (None without any call)."""
 
     def table(self) -> str:
         rows = [
@@ -78,6 +82,10 @@ class EvalReport:
             ("mean turns", f"{self.mean_turns:.2f}"),
             ("mean output tokens", f"{self.mean_output_tokens:.1f}"),
         ]
+        if self.mean_tool_calls is not None:
+            rows.append(("mean tool calls", f"{self.mean_tool_calls:.2f}"))
+        if self.tool_call_validity is not None:
+            rows.append(("valid tool calls", f"{self.tool_call_validity:.1%}"))
         rows += [
             (f"success ({kind})", f"{rate:.1%}") for kind, rate in sorted(self.by_kind.items())
         ]
@@ -99,6 +107,9 @@ def summarize(
         kind = r.info.get("task", {}).get("kind") or r.info.get("kind")
         if kind:
             kinds.setdefault(str(kind), []).append(bool(r.success))
+    counted = [r for r in flat if r.tool_calls is not None]
+    calls = sum(r.tool_calls or 0 for r in counted)
+    errors = sum(r.tool_errors or 0 for r in counted)
     return EvalReport(
         env_id=env_id,
         tasks=len(groups),
@@ -115,6 +126,8 @@ def summarize(
         end_reasons=dict(Counter(r.end_reason for r in flat)),
         by_kind={kind: sum(v) / len(v) for kind, v in kinds.items()},
         duration_s=duration_s,
+        mean_tool_calls=calls / len(counted) if counted else None,
+        tool_call_validity=1.0 - errors / calls if calls else None,
     )
 
 

@@ -24,6 +24,9 @@ the end) can be filtered on them. Env-driven, where the env's reset or step info
 ``state_key`` (the identity of the state it leaves the episode in), the metadata's
 ``state_keys`` maps each completion to the key of the state its prompt shows: step-level
 advantage groups (``advantage.estimator: step_group``) compare the turns that share one.
+Env-driven, the metadata also counts the episode's ``tool_calls`` and ``tool_errors``
+(calls whose result the env marked with an error: an unknown tool, bad arguments, a tool
+that raised or timed out), and :class:`EpisodeResult` carries both.
 """
 
 from __future__ import annotations
@@ -90,6 +93,10 @@ class EpisodeResult:
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     duration_s: float = 0.0
+    tool_calls: int | None = None
+    """Tool calls the env ran (env-driven episodes; None when the agent ran its own tools)."""
+    tool_errors: int | None = None
+    """Those of them whose result was an error (``info["tool_results"][i]["error"]``)."""
 
     @property
     def ok(self) -> bool:
@@ -227,6 +234,10 @@ class Runner:
                 success=None if won is None else bool(won),
                 turns=int(state["turns"]),
             )
+            if "tool_calls" in state:
+                session.episode.metadata.update(
+                    tool_calls=state["tool_calls"], tool_errors=state["tool_errors"]
+                )
             failure = None if error is None or recorded else {"kind": reason, "message": error}
             self.proxy.sessions.end(session, reason=reason, error=failure)
             self.proxy.sessions.release(session.id)
@@ -241,6 +252,8 @@ class Runner:
                 error=error,
                 info={**state["info"], "task": state.get("task", {})},
                 duration_s=time.perf_counter() - start,
+                tool_calls=state.get("tool_calls"),
+                tool_errors=state.get("tool_errors"),
             )
 
     # ------------------------------------------------------------------ env-driven
@@ -258,6 +271,7 @@ class Runner:
         tools = info.get("tools") or None
         sampling = self._sampling_for(info)
         state_key = info.get("state_key")
+        state["tool_calls"] = state["tool_errors"] = 0
         for turn in range(self.max_turns):
             body: dict[str, Any] = {
                 "model": self.proxy.model_name,
@@ -278,6 +292,9 @@ class Runner:
                 "step", env.step, message
             )
             state_key = info.get("state_key")
+            records = info.get("tool_results") or []
+            state["tool_calls"] += len(records)
+            state["tool_errors"] += sum(1 for r in records if r.get("error"))
             state["turns"] += 1
             state["info"] = info
             if reward:

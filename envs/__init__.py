@@ -7,8 +7,9 @@
     (['system', 'user'], 'calculator')
 
 Importing ``envs`` registers the built-in ids (``areal/Math-v0``, ``areal/Calculator-v0``,
-``areal/Search-v0``, ``areal/Tau2Retail-v0``, ``areal/Tau2Airline-v0``) by entry-point
-string; an env's module is imported only when it is made.
+``areal/Search-v0``, ``areal/Research-v0``, ``areal/Tau2Retail-v0``,
+``areal/Tau2Airline-v0``, ``areal/Tasks-v0``) by entry-point string; an env's module is
+imported only when it is made.
 """
 
 from envs.base import AgentEnv, EpisodeEnded, as_assistant_message, run_tool_calls

@@ -16,7 +16,8 @@ A subclass implements three hooks and inherits the rest:
   final answer, give feedback, let a simulated user reply) and says whether the task ended.
 
 Optional hooks: :meth:`AgentEnv._tool_reward` (reward for a turn that made tool calls,
-0 by default) and :meth:`AgentEnv.score` (reward of a whole conversation, for frameworks
+0 by default), :meth:`AgentEnv._tool_info` (extra ``info`` of such a turn, e.g. its
+``state_key``) and :meth:`AgentEnv.score` (reward of a whole conversation, for frameworks
 that run their own loop).
 
 Semantics shared by every env:
@@ -212,6 +213,11 @@ class AgentEnv(gymnasium.Env[list[Message], Message]):
         """Reward of a turn that made tool calls (0 by default)."""
         return 0.0
 
+    def _tool_info(self, message: Message, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Extra ``info`` of a turn that made tool calls (after :meth:`_tool_reward`), e.g.
+        ``{"state_key": ...}`` naming the state the turn leaves the episode in."""
+        return {}
+
     def score(self, messages: Sequence[Message]) -> tuple[float, dict[str, Any]]:
         """Score a whole conversation produced by an agent's own loop.
 
@@ -291,7 +297,8 @@ class AgentEnv(gymnasium.Env[list[Message], Message]):
         info: dict[str, Any]
         if calls:
             new, records = run_tool_calls(calls, self.tools())
-            reward, terminated, info = self._tool_reward(message, records), False, {}
+            reward, terminated = self._tool_reward(message, records), False
+            info = self._tool_info(message, records)
         else:
             new, reward, terminated, info = self._respond(message)
             records = []

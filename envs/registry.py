@@ -62,6 +62,12 @@ _BUILTINS: list[tuple[str, str, dict[str, Any], str]] = [
         "Multi-hop question answering over a local corpus with a retriever tool",
     ),
     (
+        "areal/Research-v0",
+        "envs.search.research:ResearchEnv",
+        {},
+        "Open-ended research questions over the search corpus: many facts, many turns",
+    ),
+    (
         "areal/Tau2Retail-v0",
         "envs.tau2.env:Tau2Env",
         {"domain": "retail"},

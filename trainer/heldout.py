@@ -174,13 +174,18 @@ class HeldOut:
 
 
 def metrics_of(report: EvalReport) -> dict[str, float]:
-    """``eval/success_rate``, ``eval/mean_reward``, ``eval/mean_turns`` and
-    ``eval/success_<kind>`` per task kind."""
+    """``eval/success_rate``, ``eval/mean_reward``, ``eval/mean_turns``,
+    ``eval/success_<kind>`` per task kind, and ``eval/tool_calls_mean`` and
+    ``eval/tool_call_valid_rate`` where the env ran tools."""
     out = {
         "eval/success_rate": report.success_rate,
         "eval/mean_reward": report.mean_reward,
         "eval/mean_turns": report.mean_turns,
     }
+    if report.mean_tool_calls is not None:
+        out["eval/tool_calls_mean"] = report.mean_tool_calls
+    if report.tool_call_validity is not None:
+        out["eval/tool_call_valid_rate"] = report.tool_call_validity
     out.update({f"eval/success_{k}": v for k, v in report.by_kind.items()})
     return out
 
@@ -193,6 +198,8 @@ def _row(label: str, step: int, report: EvalReport) -> dict[str, Any]:
         "success_rate": report.success_rate,
         "mean_reward": report.mean_reward,
         "mean_turns": report.mean_turns,
+        "mean_tool_calls": report.mean_tool_calls,
+        "tool_call_validity": report.tool_call_validity,
         "by_kind": report.by_kind,
         "end_reasons": report.end_reasons,
         "duration_s": report.duration_s,

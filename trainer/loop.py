@@ -50,8 +50,9 @@ import random
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -82,6 +83,9 @@ from .metrics import MetricsWriter
 from .policy import Policy
 from .rollout import Group, build_rollout
 from .schedule import LrSchedule
+
+if TYPE_CHECKING:
+    from areal_agents.runner import EpisodeResult
 
 log = logging.getLogger(__name__)
 
@@ -461,6 +465,7 @@ class Trainer:
             # over the episodes that report success (self-rewarded sessions do not)
             **({"success_rate": sum(known) / len(known)} if known else {}),
             "turns_mean": sum(r.turns for r in results) / len(results),
+            **_tool_call_metrics(results),
             "episode_tokens_mean": gen_tokens / len(results),
             "loss": stats.get("loss", 0.0),
             "grad_norm": stats["grad_norm"],
@@ -558,6 +563,18 @@ def model_kwargs(
     path = cfg.critic.path
     critic_path = model_path if path is None else resolve_model(path, quiet=quiet)
     return policy_kw, {"model_path": critic_path, "lr": cfg.critic.lr, **shared}
+
+
+def _tool_call_metrics(results: Sequence[EpisodeResult]) -> dict[str, float]:
+    """``tool_calls_mean`` (tool calls per episode) and ``tool_call_valid_rate`` (the share
+    whose result was not an error), over the episodes whose env ran the tools; {} when none
+    did, and no rate without a call."""
+    counted = [r for r in results if r.tool_calls is not None]
+    calls = sum(r.tool_calls or 0 for r in counted)
+    out = {"tool_calls_mean": calls / len(counted)} if counted else {}
+    if calls:
+        out["tool_call_valid_rate"] = 1.0 - sum(r.tool_errors or 0 for r in counted) / calls
+    return out
 
 
 def record_train_tokens(store: Any, records: list[SampleTokens], version: int) -> Any:

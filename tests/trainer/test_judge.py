@@ -445,3 +445,38 @@ def test_the_judge_example_trains_on_judged_rewards(judge_server, tiny_model_dir
     ).fetchall()
     assert trained and all(f == pytest.approx(0.2) for f, _ in trained)
     assert all(json.loads(m)["judge"]["score"] == pytest.approx(0.2) for _, m in trained)
+
+
+def test_the_research_example_runs_warm_start_step_groups_and_judge(
+    judge_server, tiny_model_dir, tmp_path
+):
+    """examples/agents/research.yaml, as shipped but short, on the tiny model: the warm start
+    on demonstrations the env writes, step-level groups, the summarize policy and the fake
+    judge over HTTP. Untrained, the model never opens a document: every episode's reward is
+    1.0 * recall x precision (0) + 0.5 * the judge's 0.2."""
+    from trainer.loop import Trainer
+
+    url, _ = judge_server
+    run = tmp_path / "run"
+    cfg = load_config(
+        ROOT / "examples/agents/research.yaml",
+        [
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            f"rewards.judge.base_url={url}",
+            "sft.generate=2",
+            "rollout.group_size=2",
+            "rollout.max_turns=2",
+            "sampling.max_new_tokens=8",
+            "train.steps=1",
+            "metrics.tensorboard=false",
+            f"train.output_dir={run}",
+        ],
+    )
+    assert cfg.context.policy == "summarize" and cfg.advantage.estimator == "step_group"
+    summary = asyncio.run(Trainer(cfg, quiet=True).run())
+    assert summary["reward_mean"] == pytest.approx(0.1)
+    demos = (run / "sft_demos.jsonl").read_text().splitlines()
+    assert len(demos) == 2 and all('"name": "open"' in row for row in demos)
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["judge/calls"] >= 4 and row["judge/errors"] == 0
