@@ -520,6 +520,9 @@ class SFTConfig(_Checked):
     """Keyword arguments of the env's ``demos()``, e.g. ``{kind: arithmetic}``."""
     epochs: int = 1
     """Passes over the demonstrations."""
+    batch_size: int = 8
+    """Demonstrations per optimizer step (``ceil(demos / batch_size)`` steps an epoch):
+    fewer, longer demonstrations want a smaller batch for enough steps."""
     lr: float = 1e-5
     """Learning rate of the warm start, > 0."""
     kind: Literal["messages", "episodes"] = "messages"
@@ -544,6 +547,7 @@ class SFTConfig(_Checked):
             ),
             ("generate", self.generate >= 0, ">= 0 (0 = read sft.demos)"),
             ("epochs", self.epochs >= 1, ">= 1"),
+            ("batch_size", self.batch_size >= 1, ">= 1"),
             ("lr", self.lr > 0, "> 0"),
         )
 

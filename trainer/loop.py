@@ -280,6 +280,7 @@ class Trainer:
         return {
             "epochs": cfg.sft.epochs,
             "lr": cfg.sft.lr,
+            "batch_size": cfg.sft.batch_size,
             "micro_batch_tokens": cfg.train.micro_batch_tokens,
             "seed": cfg.train.seed,
             "progress": not self.quiet,

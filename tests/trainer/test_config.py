@@ -100,6 +100,7 @@ sft:
   generate: 0
   generate_kwargs: {kind: word}
   epochs: 2
+  batch_size: 4
   lr: 1.0e-5
   kind: episodes
 metrics: {tensorboard: false, jsonl: true, wandb: false}

@@ -99,6 +99,7 @@ def test_generated_warm_start_is_checkpointed_as_step_0_and_not_redone(tiny_mode
         "sft.generate=8",
         "sft.generate_kwargs={kind: arithmetic}",
         "sft.lr=1e-3",
+        "sft.batch_size=3",
         "train.save_every=1",
         "metrics.tensorboard=false",
         f"train.output_dir={out}",
@@ -115,6 +116,7 @@ def test_generated_warm_start_is_checkpointed_as_step_0_and_not_redone(tiny_mode
     state1 = json.loads((out / "checkpoints" / "step-000001" / "state.json").read_text())
     assert state1["elapsed_s"] > state0["elapsed_s"]
     assert Counting.warm_starts == 1
+    assert json.loads((out / "sft.json").read_text())["sft_steps"] == 3  # ceil(8 / 3)
     asyncio.run(
         Counting(load_config(None, [*overrides, "train.steps=2"]), resume=True, quiet=True).run()
     )
