@@ -22,6 +22,9 @@ import torch.distributed as dist
 
 COMMON = [
     "env.id=areal/Calculator-v0",
+    # float32 everywhere: with dtype auto a CPU with native bfloat16 holds a LoRA case's
+    # frozen base in bfloat16, whose rounding differs between packings by far more than 1e-5
+    "model.dtype=float32",
     "sampling.max_new_tokens=16",
     "rollout.max_head_offpolicyness=1",
     "train.micro_batch_tokens=40",
@@ -44,6 +47,15 @@ CASES: dict[str, list[str]] = {
 }
 RESUMED = ("grpo-lora", "ppo-full")
 """Cases also resumed on the ranks from the one-process checkpoint after step 1."""
+
+
+WEIGHT_TOL = 1e-4
+"""How far a weight of the ranks may lie from one process's after the steps. The losses,
+norms and records match to 1e-5; the weights are looser because AdamW's step is
+``lr * m / (sqrt(v) + eps)``: an element whose gradient is within float noise of zero moves
+by up to ``lr`` either way, and a small gradient's relative noise becomes a fraction of
+``lr`` (measured: up to 5.4e-5 at lr 1e-3 on one CPU, under 1e-5 on another). A missed or
+doubled reduction moves every element by O(lr) = 1e-3."""
 
 
 SFT_CASE = "grpo-lora"

@@ -88,7 +88,7 @@ def _trained(policy: Policy) -> dict[str, torch.Tensor]:
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
     assert a.keys() == b.keys(), what
     worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    assert worst <= 1e-5, f"{what}: weights differ by {worst:.2e}"
+    assert worst <= dist_ranks.WEIGHT_TOL, f"{what}: weights differ by {worst:.2e}"
     print(f"{what}: max |difference| {worst:.1e}")
 
 
@@ -104,12 +104,13 @@ def _assert_steps(got: list[dict], want: list[dict], what: str) -> None:
 def test_two_ranks_take_the_step_one_process_takes(tiny_model_dir, tmp_path):
     """For GRPO (with KL), DAPO (2 mini-batches), Dr.GRPO and PPO with a critic, LoRA and
     full fine-tuning (two of them with activation checkpointing): the loss, gradient norms
-    and weights after 2 steps on 2 gloo ranks equal one unsharded process's to 1e-5 (3
-    groups over 2 ranks; micro-batches of 40 tokens, so the ranks run different numbers of
-    them), and so do the per-token records rank 0 gathers from the ranks (``train_tokens``
-    rows: their number and sums of their arrays). The ranks' checkpoints load into
-    one process (2 -> 1), and one process's checkpoint after step 1 resumes on the ranks
-    (1 -> 2) with the same second step. A warm start on the ranks equals one process's."""
+    and weights after 2 steps on 2 gloo ranks equal one unsharded process's to 1e-5, the
+    weights to ``dist_ranks.WEIGHT_TOL`` (3 groups over 2 ranks; micro-batches of 40 tokens,
+    so the ranks run different numbers of them), and so do the per-token records rank 0
+    gathers from the ranks (``train_tokens`` rows: their number and sums of their arrays).
+    The ranks' checkpoints load into one process (2 -> 1), and one process's checkpoint
+    after step 1 resumes on the ranks (1 -> 2) with the same second step. A warm start on
+    the ranks equals one process's."""
     model = str(tiny_model_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank (1 core each): the same float summation order
