@@ -111,7 +111,12 @@ def summarize(run: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--summarize", metavar="RUN_DIR", help="summarize an existing run")
-    ap.add_argument("--minutes", type=float, default=30.0, help="RL time budget (minutes)")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=30.0,
+        help="wall-clock budget of the whole run (minutes), warm start and evaluations included",
+    )
     ap.add_argument("--eval-episodes", type=int, default=12)
     ap.add_argument("--out", default="runs/research_bench")
     ap.add_argument("overrides", nargs="*", help="extra config overrides (key=value)")
