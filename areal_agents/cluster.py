@@ -160,7 +160,8 @@ class EmbeddedSpec:
     ``model``: a path that exists on the engine's node, a hub id, or None for the default model
     (prepared on that node on first use). ``adapter``: a saved LoRA adapter directory (on the
     engine's node) applied on top. ``max_context``: the longest prompt + output in tokens
-    (None: the model's own limit).
+    (None: the model's own limit). ``cpus``: CPU cores the engine's process runs on, with as
+    many torch threads (None: wherever the OS puts it).
     """
 
     model: str | None = None
@@ -169,11 +170,16 @@ class EmbeddedSpec:
     adapter: str | None = None
     max_batch_size: int = 64
     max_context: int | None = None
+    cpus: tuple[int, ...] | None = None
 
     def __call__(self) -> Engine:
         from .chat import ChatTokenizer
         from .embedded import EmbeddedEngine
+        from .hardware import pin_to_cpus
         from .model import resolve_model
+
+        if self.cpus is not None:
+            pin_to_cpus(self.cpus, "rollout.engine_cpus")
 
         path = resolve_model(self.model, quiet=True)
         decode = ChatTokenizer.from_dir(path).decode
@@ -206,6 +212,7 @@ class EngineHost:
             "version": self.engine.version,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         }
 
     async def generate(
@@ -302,6 +309,7 @@ class RayEngine:
             "version": infos[0]["version"],
             "max_context": min(contexts) if contexts else None,
             "nodes": sorted({i["node_id"] for i in infos}),
+            "cpus": [i.get("cpus") for i in infos],  # each replica's cores
             "names": names,
         }
         return cls(actors, info, owner=True)

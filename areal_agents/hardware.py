@@ -1,4 +1,4 @@
-"""Which weight dtype ``"auto"`` means on this machine.
+"""Which weight dtype ``"auto"`` means on this machine, and pinning a process to CPU cores.
 
 bfloat16 halves the memory traffic of a forward pass and is the faster choice where the
 hardware computes it natively: CUDA devices with bf16 support, x86 CPUs with AVX512-BF16
@@ -10,13 +10,18 @@ CPU gets a warning that names the fix.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-__all__ = ["cpu_flags", "default_device", "native_bf16", "resolve_dtype"]
+from .errors import ConfigError
+
+__all__ = ["cpu_flags", "default_device", "native_bf16", "pin_to_cpus", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -76,3 +81,36 @@ def _warn_slow_bf16() -> None:
         "flag in /proc/cpuinfo): PyTorch emulates it and runs far slower than float32; set "
         "the dtype to auto or float32"
     )
+
+
+def pin_to_cpus(cpus: Sequence[int], what: str) -> list[int]:
+    """Run this whole process on the CPU cores ``cpus`` and use that many torch threads.
+
+    Linux's ``sched_setaffinity`` applies to one thread, so every thread the process has
+    now (``/proc/self/task``) is moved; threads and child processes started later inherit
+    the mask of the thread that starts them. ``what`` names the config key in the error
+    when a core does not exist or this process may not run there. Returns the sorted cores.
+    """
+    wanted = sorted({int(c) for c in cpus})
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError(f"{what}: pinning to CPU cores needs Linux; remove {what}")
+    count = os.cpu_count() or 1
+    try:
+        if not wanted or wanted[-1] >= count:
+            raise OSError("no such core")
+        os.sched_setaffinity(0, wanted)  # the calling thread first: the error, if any, is here
+    except OSError:
+        raise ConfigError(
+            f"{what}: cores {wanted} are not all usable here (this machine has cores 0-"
+            f"{count - 1}, this process may run on {sorted(os.sched_getaffinity(0))}); "
+            "name cores from that list"
+        ) from None
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = []
+    for tid in tids:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, wanted)
+    torch.set_num_threads(len(wanted))
+    return wanted

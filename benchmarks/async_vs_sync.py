@@ -26,13 +26,26 @@ so the gate, not the runner, bounds the episodes in flight, and the engine batch
 (its ``max_batch_size`` follows ``rollout.concurrency``); env steps run on the runner's
 thread pool (64 threads), so sleeping tools block no one.
 
-What bounds the speed-up: the time the machine is busy. On a CPU the engine and the trainer
-share the cores (their forward passes take turns), so asynchronous training can only fill
-the time the synchronous run leaves idle; the printed "CPU busy" column (process CPU time
-over wall time x threads) shows how much that was. The speed-up grows with tool latency
-over compute per episode (a smaller model or a GPU, slower tools, more tool turns).
+Two settings, each a sync and an async run (``--setting``):
 
-    python benchmarks/async_vs_sync.py [--model default|tiny|DIR] [--steps 12] [--quick]
+* ``shared``: one process; the engine and the trainer share every core and take turns on
+  them (a compute lock), so asynchrony can only fill the time the synchronous run leaves
+  the cores idle. Bound: 1 / (the sync run's busy fraction of all cores).
+* ``pinned``: disaggregated, as separate inference and training GPUs would be. With
+  ``scheduler=ray`` the engine is a process of its own pinned to one core
+  (``rollout.engine_cpus``), the trainer process is pinned to another (``train.cpus``),
+  and both runs use the same pinning. Synchronously each core waits while the other works;
+  asynchronously both work at once. Bound: the sync wall over its busier core's busy time
+  (about 2x when generation and training take as long, plus the tool tail that
+  synchronous batches wait for).
+
+In both, the bound is the sync wall over the least wall its measured work allows
+(``/proc/stat`` busy seconds per core, every process counted; ``OMP_WAIT_POLICY=passive`` so
+that spinning threads do not count). The async run does at least the same work, so its
+speed-up cannot exceed the bound; the tables give each ratio beside its bound.
+
+    python benchmarks/async_vs_sync.py [--model default|tiny|DIR] [--steps 12]
+        [--setting shared|pinned|both] [--quick]
 """
 
 from __future__ import annotations
@@ -88,6 +101,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", choices=("sync-first", "async-first"), default="sync-first")
+    ap.add_argument(
+        "--setting",
+        choices=("shared", "pinned", "both"),
+        default="both",
+        help="shared cores (one process), pinned (engine and trainer on cores of their own), "
+        "or both",
+    )
+    ap.add_argument("--engine-core", type=int, default=0, help="the pinned engine's core")
+    ap.add_argument("--trainer-core", type=int, default=1, help="the pinned trainer's core")
     ap.add_argument("--out", default="runs/bench/async_vs_sync", help="where the runs write")
     ap.add_argument("--keep", action="store_true", help="keep final models and checkpoints")
     ap.add_argument(
@@ -140,7 +162,9 @@ def delay_summary(args: argparse.Namespace, n: int = 20_000) -> str:
     )
 
 
-def make_config(args: argparse.Namespace, model: str, eta: int, out: Path) -> Any:
+def make_config(
+    args: argparse.Namespace, model: str, eta: int, out: Path, pinned: bool = False
+) -> Any:
     from rl_common import SLOW_ENV_ID
 
     from trainer.config import load_config
@@ -179,6 +203,12 @@ def make_config(args: argparse.Namespace, model: str, eta: int, out: Path) -> An
         f"train.output_dir={out}",
         "metrics.tensorboard=false",
     ]
+    if pinned:
+        overrides += [
+            "scheduler=ray",
+            f"rollout.engine_cpus=[{args.engine_core}]",
+            f"train.cpus=[{args.trainer_core}]",
+        ]
     return load_config(None, overrides)
 
 
@@ -214,13 +244,22 @@ async def evaluate_model(args: argparse.Namespace, path: str) -> Any:
     return report
 
 
-def run_one(args: argparse.Namespace, model: str, eta: int, out: Path) -> dict[str, Any]:
-    from rl_common import TimedTrainer
+def run_one(
+    args: argparse.Namespace, model: str, eta: int, out: Path, pinned: bool
+) -> dict[str, Any]:
+    from rl_common import TimedTrainer, core_busy_between, set_threads
+
+    from areal_agents.hardware import pin_to_cpus
 
     name = "sync" if eta == 0 else "async"
     print(f"\n== {name} (max_head_offpolicyness={eta}) -> {out}", flush=True)
-    trainer = TimedTrainer(make_config(args, model, eta, out), quiet=args.quiet)
-    summary = asyncio.run(trainer.run())
+    trainer = TimedTrainer(make_config(args, model, eta, out, pinned), quiet=args.quiet)
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        summary = asyncio.run(trainer.run())
+    finally:  # the evaluation and the next run get every core back
+        pin_to_cpus(cores, "every core")
+        set_threads(args.threads)
     stats, n = trainer.step_stats, len(trainer.step_stats)
     wall = trainer.step_ends[-1] - trainer.t_start
     cpu = trainer.cpu_ends[-1] - trainer.cpu_start
@@ -234,6 +273,7 @@ def run_one(args: argparse.Namespace, model: str, eta: int, out: Path) -> dict[s
         "episodes_per_s": episodes / wall,
         "s_per_step": wall / n,
         "cpu_busy": cpu / (wall * args.threads),
+        "core_busy_s": core_busy_between(trainer.cores_start, trainer.cores_end),
         "reward_all": statistics.fmean(s["reward_mean"] for s in stats),
         "reward_last_half": statistics.fmean(s["reward_mean"] for s in half),
         "success_last_half": statistics.fmean(s["success_rate"] for s in half),
@@ -254,10 +294,88 @@ def run_one(args: argparse.Namespace, model: str, eta: int, out: Path) -> dict[s
     return row
 
 
+def bound_of(sync: dict[str, Any], pinned: bool, cores: tuple[int, ...]) -> float:
+    """The most the async run can gain: the sync wall over the least wall its busy work
+    allows. Shared cores: all busy seconds spread over all cores, i.e.
+    1 / (busy fraction). Pinned: the busier of the engine's and the trainer's cores."""
+    busy = sync["core_busy_s"]
+    if not busy:
+        return math.nan
+    least = max(busy.get(c, 0.0) for c in cores) if pinned else sum(busy.values()) / len(busy)
+    return sync["wall_s"] / least if least > 0 else math.nan
+
+
+def run_setting(
+    args: argparse.Namespace, model: str, root: Path, pinned: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sync and the async run of one setting; with ``pinned``, on a local Ray cluster
+    whose workers register the ``bench/`` envs."""
+    setting = "pinned" if pinned else "shared"
+    ray = None
+    if pinned:
+        import ray
+
+        paths = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+        ray.init(
+            address="local",
+            num_cpus=len(os.sched_getaffinity(0)),
+            log_to_driver=False,
+            logging_level="warning",
+            runtime_env={
+                "env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)},
+                "worker_process_setup_hook": "rl_common.ray_worker_setup",
+            },
+        )
+    try:
+        etas = [0, args.eta] if args.order == "sync-first" else [args.eta, 0]
+        rows = {
+            eta: run_one(
+                args, model, eta, root / setting / ("sync" if eta == 0 else "async"), pinned
+            )
+            for eta in etas
+        }
+    finally:
+        if ray is not None:
+            ray.shutdown()
+    for row in rows.values():
+        row["setting"] = setting
+    return rows[0], rows[args.eta]
+
+
+def print_rows(
+    args: argparse.Namespace, pairs: list[tuple[dict[str, Any], dict[str, Any]]]
+) -> None:
+    print(
+        "| setting | run | wall s | episodes | episodes/s | s/step | busy s per core | "
+        "reward (all) | reward (last half) | eval success | staleness | trainer waited s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in (r for pair in pairs for r in pair):
+        ev = "-" if row["eval"] is None else f"{row['eval']:.1%} of {row['eval_episodes']}"
+        busy = " / ".join(f"{v:.0f}" for _, v in sorted(row["core_busy_s"].items())) or "-"
+        print(
+            f"| {row['setting']} | {row['name']} (eta={row['eta']}) | {row['wall_s']:.1f} | "
+            f"{row['episodes']} | {row['episodes_per_s']:.3f} | {row['s_per_step']:.1f} | "
+            f"{busy} | {row['reward_all']:.3f} | {row['reward_last_half']:.3f} | {ev} | "
+            f"{row['staleness_mean']:.2f} | {row['wait_s']:.1f} |"
+        )
+    for sync, asyn in pairs:
+        for row in (sync, asyn):
+            eng = row["engine"]
+            if eng:
+                print(
+                    f"engine ({row['setting']}, {row['name']}): {eng.get('requests', 0)} "
+                    f"requests, {eng.get('prefills', 0)} prefills, "
+                    f"{eng.get('decode_steps', 0)} decode steps, "
+                    f"{eng.get('output_tokens', 0)} output tokens"
+                )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # spinning threads are not work
     sys.path.insert(0, str(HERE))
     from rl_common import load_average, resolve_bench_model, set_threads
 
@@ -272,49 +390,34 @@ def main(argv: list[str] | None = None) -> None:
         f"rollout.concurrency={args.concurrency}; load {load_average()}"
     )
     print(delay_summary(args), flush=True)
-    etas = [0, args.eta] if args.order == "sync-first" else [args.eta, 0]
-    rows = {
-        eta: run_one(args, model, eta, root / ("sync" if eta == 0 else "async")) for eta in etas
-    }
-    sync, asyn = rows[0], rows[args.eta]
+    settings = {"shared": [False], "pinned": [True], "both": [False, True]}[args.setting]
+    if True in settings and len({args.engine_core, args.trainer_core}) < 2:
+        sys.exit("--engine-core and --trainer-core must differ (the pinned setting)")
+    pairs = [run_setting(args, model, root, pinned) for pinned in settings]
     print(f"\nload after the runs: {load_average()}")
-    print(
-        "| run | wall s | episodes | episodes/s | s/step | CPU busy | reward (all) | "
-        "reward (last half) | eval success | staleness | trainer waited s | trained s |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in (sync, asyn):
-        ev = "-" if row["eval"] is None else f"{row['eval']:.1%} of {row['eval_episodes']}"
+    print_rows(args, pairs)
+    for (sync, asyn), pinned in zip(pairs, settings, strict=True):
+        cores = (args.engine_core, args.trainer_core)
+        bound = bound_of(sync, pinned, cores)
+        ratio = sync["wall_s"] / asyn["wall_s"]
         print(
-            f"| {row['name']} (eta={row['eta']}) | {row['wall_s']:.1f} | {row['episodes']} | "
-            f"{row['episodes_per_s']:.2f} | {row['s_per_step']:.1f} | {row['cpu_busy']:.0%} | "
-            f"{row['reward_all']:.3f} | {row['reward_last_half']:.3f} | {ev} | "
-            f"{row['staleness_mean']:.2f} | {row['wait_s']:.1f} | {row['train_s']:.1f} |"
+            f"{sync['setting']}: speed-up (sync wall / async wall) to {args.steps} steps: "
+            f"{ratio:.2f}x; bound {bound:.2f}x ({ratio / bound:.0%} of it); samples/s sync "
+            f"{sync['episodes_per_s']:.3f}, async {asyn['episodes_per_s']:.3f}"
         )
-    for row in (sync, asyn):
-        eng = row["engine"]
-        print(
-            f"engine ({row['name']}): {eng.get('requests', 0)} requests, "
-            f"{eng.get('prefills', 0)} prefills, {eng.get('decode_steps', 0)} decode steps, "
-            f"{eng.get('output_tokens', 0)} output tokens"
-        )
-    print(
-        f"speed-up (sync wall / async wall) to {args.steps} steps: "
-        f"{sync['wall_s'] / asyn['wall_s']:.2f}x"
-    )
-    # Noise of a mean of 0/1 rewards over the episodes of the last half of the steps.
-    for key, label, count in (
-        ("reward_last_half", "training reward, last half", sync["episodes"] / 2),
-        ("eval", "eval success", sync.get("eval_episodes") or 0),
-    ):
-        if sync[key] is None or not count:
-            continue
-        p = (sync[key] + asyn[key]) / 2
-        se = math.sqrt(max(p * (1 - p), 1e-9) * 2 / count)
-        print(
-            f"{label}: async - sync = {asyn[key] - sync[key]:+.3f} "
-            f"(standard error of the difference ~{se:.3f})"
-        )
+        # Noise of a mean of 0/1 rewards over the episodes of the last half of the steps.
+        for key, label, count in (
+            ("reward_last_half", "training reward, last half", sync["episodes"] / 2),
+            ("eval", "eval success", sync.get("eval_episodes") or 0),
+        ):
+            if sync[key] is None or not count:
+                continue
+            p = (sync[key] + asyn[key]) / 2
+            se = math.sqrt(max(p * (1 - p), 1e-9) * 2 / count)
+            print(
+                f"  {label}: async - sync = {asyn[key] - sync[key]:+.3f} "
+                f"(standard error of the difference ~{se:.3f})"
+            )
 
 
 if __name__ == "__main__":

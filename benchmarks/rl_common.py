@@ -237,16 +237,20 @@ class TimedTrainer(Trainer):
         self.cpu_ends: list[float] = []
         self.step_stats: list[dict[str, Any]] = []
         self.episodes_per_step: list[int] = []
+        self.cores_start: dict[int, float] = {}
+        self.cores_end: dict[int, float] = {}
 
     def _build(self) -> None:
         super()._build()
         self.t_start, self.cpu_start = time.perf_counter(), time.process_time()
+        self.cores_start = core_busy_s()
 
     async def _train_step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         got = args[0] if args else kwargs["got"]
         stats = await super()._train_step(*args, **kwargs)
         self.step_ends.append(time.perf_counter())
         self.cpu_ends.append(time.process_time())
+        self.cores_end = core_busy_s()
         self.step_stats.append(stats)
         self.episodes_per_step.append(sum(len(eps) for _, eps in got))
         return stats
@@ -254,6 +258,35 @@ class TimedTrainer(Trainer):
     def engine_stats(self) -> dict[str, int]:
         """The engine's counters (requests, prefills, decode steps, output tokens)."""
         return dict(getattr(self.engine, "_stats", {}))
+
+
+def core_busy_s() -> dict[int, float]:
+    """Seconds each CPU core of the machine has been busy since boot (``/proc/stat``: all
+    time but idle and iowait), every process counted: an engine in a process of its own
+    too. Spinning OpenMP threads count as busy, so the benchmarks run with
+    ``OMP_WAIT_POLICY=passive``. Empty where ``/proc/stat`` does not exist."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            ticks = [int(x) for x in fields[:8]]
+            out[int(name[3:])] = (sum(ticks) - ticks[3] - ticks[4]) / tick
+    return out
+
+
+def core_busy_between(start: Mapping[int, float], end: Mapping[int, float]) -> dict[int, float]:
+    """Busy seconds of each core between two :func:`core_busy_s` readings."""
+    return {c: end[c] - start[c] for c in start if c in end}
+
+
+def ray_worker_setup() -> None:
+    """Ray's ``worker_process_setup_hook`` for runs whose episodes run on Ray workers:
+    importing this module registers the ``bench/`` envs there."""
 
 
 def set_threads(threads: int | None) -> int:

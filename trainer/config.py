@@ -48,6 +48,11 @@ DYNAMIC_SAMPLING_ALGORITHMS = frozenset({"dapo"})
 """Algorithms that drop groups whose rewards are all equal (``rollout.probe_size`` applies)."""
 
 
+def _cores_ok(cores: tuple[int, ...] | None) -> bool:
+    """None, or a non-empty list of distinct core numbers >= 0."""
+    return cores is None or (bool(cores) and min(cores) >= 0 and len(set(cores)) == len(cores))
+
+
 class _Checked:
     """Mixin: a section checks its values when built (all problems at once)."""
 
@@ -279,6 +284,11 @@ class RolloutConfig(_Checked):
     worker API (the ``workers`` section) and call the proxy themselves, or
     ``self_rewarded``: no env; a service opens sessions in groups with the worker token,
     posts their rewards and ends them (see ``trainer.rollout.SessionSource``)."""
+    engine_cpus: tuple[int, ...] | None = None
+    """CPU cores the engine actor runs on, with that many torch threads (``scheduler: ray``
+    only: the engine is then a process of its own); None = wherever Ray puts it. Beside
+    ``train.cpus`` on other cores, a disaggregated layout: inference and training never
+    take turns on a core."""
     probe_size: int = 0
     """Dynamic sampling with a probe (``algorithm: dapo``): sample this many episodes of a
     group first and drop the group there when their rewards are all equal, before the other
@@ -297,6 +307,7 @@ class RolloutConfig(_Checked):
             ("max_head_offpolicyness", self.max_head_offpolicyness >= 0, ">= 0 (0 = sync)"),
             ("episode_timeout_s", timeout is None or timeout > 0, "> 0 or null (no limit)"),
             ("gamma", 0 <= self.gamma <= 1, "in [0, 1]"),
+            ("engine_cpus", _cores_ok(self.engine_cpus), "a non-empty list of distinct cores"),
         )
 
 
@@ -472,6 +483,11 @@ class RunConfig(_Checked):
     collective_timeout_s: float = 600.0
     """How long a trainer rank waits in one collective before it gives up (a peer died or
     hangs); the run then ends with an error naming the rank."""
+    cpus: tuple[int, ...] | None = None
+    """CPU cores this process (the trainer, and with ``scheduler: local`` the engine and the
+    episodes too) runs on, with that many torch threads (Linux ``sched_setaffinity``);
+    None = every core. With ``scheduler: ray`` and ``rollout.engine_cpus`` on other cores,
+    training and inference each get cores of their own, as on separate GPUs."""
 
     @property
     def sharded(self) -> bool:
@@ -492,6 +508,7 @@ class RunConfig(_Checked):
                 "false unless the trainer is sharded (set train.fsdp=true)",
             ),
             ("collective_timeout_s", self.collective_timeout_s > 0, "> 0"),
+            ("cpus", _cores_ok(self.cpus), "a non-empty list of distinct core numbers >= 0"),
             ("micro_batch_tokens", self.micro_batch_tokens >= 1, ">= 1"),
             ("minibatches", self.minibatches >= 1, ">= 1 (1 = one update per step)"),
             ("steps", self.steps >= 1, ">= 1"),
@@ -954,6 +971,17 @@ class TrainConfig(_Checked):
                 "model or agent.factory driving the env); with external workers, "
                 "self-rewarded sessions or scheduler=ray, evaluate the checkpoints with "
                 "areal-agent eval instead, and set eval.episodes=0"
+            )
+        if self.train.cpus is not None and self.train.nproc > 1:
+            out.append(
+                "train.cpus: pins this one trainer process, not the ranks that "
+                f"train.nproc={self.train.nproc} starts; remove train.cpus or set train.nproc=1"
+            )
+        if self.rollout.engine_cpus is not None and self.scheduler != "ray":
+            out.append(
+                "rollout.engine_cpus: pins the engine's own process, which only "
+                "scheduler=ray starts (with scheduler=local the engine shares this process: "
+                "pin it with train.cpus); set scheduler=ray or remove rollout.engine_cpus"
             )
         judge = self.rewards.judge
         if judge.mode != "none" and judge.base_url is None and self.scheduler == "ray":

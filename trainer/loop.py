@@ -60,7 +60,7 @@ from areal_agents import spans
 from areal_agents.chat import ChatTokenizer
 from areal_agents.embedded import FairLock
 from areal_agents.errors import ConfigError
-from areal_agents.hardware import default_device, resolve_dtype
+from areal_agents.hardware import default_device, pin_to_cpus, resolve_dtype
 from areal_agents.model import resolve_model
 
 from .algorithms import AlgorithmSpec, LossSpec, check_async_correction, get_algorithm
@@ -157,6 +157,8 @@ class Trainer:
             quiet=self.quiet,
         )
         self.engine, self.source = rollout.engine, rollout.source
+        if cfg.train.cpus is not None:  # after Ray's processes start: they keep every core
+            pin_to_cpus(cfg.train.cpus, "train.cpus")
         self.make_env = self.source.make_env
         self.seed_base = self.source.settings.seed_base
         self.held_out = HeldOut(cfg, self.out)  # a bad eval section fails here

@@ -774,7 +774,8 @@ def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any
 
     Joins ``$RAY_ADDRESS`` or a cluster started with ``ray start`` on this machine, else starts
     a local one (Ray shuts that down when the process exits). One engine actor (a GPU when the
-    cluster has one); rollout workers: one per node, at least 2.
+    cluster has one; on the cores ``rollout.engine_cpus`` names); rollout workers: one per
+    node, at least 2.
     """
     from areal_agents.cluster import EmbeddedSpec, RayEngine, connect
     from areal_agents.hardware import default_device, resolve_dtype
@@ -787,8 +788,10 @@ def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any
         device=cfg.model.device,
         max_batch_size=max(cfg.rollout.concurrency, 1),
         max_context=cfg.model.max_context,
+        cpus=cfg.rollout.engine_cpus,
     )
-    engine = RayEngine.start(spec)
+    cores = cfg.rollout.engine_cpus
+    engine = RayEngine.start(spec, num_cpus=float(len(cores)) if cores else 1.0)
     return engine, RayRunner(engine, model_path, **runner_kwargs)
 
 

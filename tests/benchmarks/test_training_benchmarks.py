@@ -115,8 +115,11 @@ def test_both_scripts_run_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "speed-up (sync wall / async wall) to 2 steps" in out.stdout
-    assert "| sync (eta=0) |" in out.stdout and "| async (eta=1) |" in out.stdout
+    for setting in ("shared", "pinned"):  # pinned: the engine on Ray, on a core of its own
+        assert f"{setting}: speed-up (sync wall / async wall) to 2 steps" in out.stdout
+        assert f"| {setting} | sync (eta=0) |" in out.stdout
+        assert f"| {setting} | async (eta=1) |" in out.stdout
+    assert "x; bound " in out.stdout
     out = subprocess.run(
         [
             sys.executable,

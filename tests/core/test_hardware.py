@@ -70,3 +70,45 @@ def test_cpu_flags_reads_this_machine():
 def test_default_device_keeps_a_given_one():
     assert hardware.default_device("cpu") == "cpu"
     assert hardware.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+PIN_SCRIPT = """
+import os, sys, threading, time
+import torch
+from areal_agents.errors import ConfigError
+from areal_agents.hardware import pin_to_cpus
+
+core = int(sys.argv[1])
+stop = threading.Event()
+before = threading.Thread(target=stop.wait)  # a thread that exists before the pinning
+before.start()
+try:
+    pin_to_cpus([os.cpu_count() + 3], "train.cpus")
+except ConfigError as exc:
+    print("refused:", exc)
+assert pin_to_cpus([core], "train.cpus") == [core]
+for tid in os.listdir("/proc/self/task"):
+    assert os.sched_getaffinity(int(tid)) == {core}, tid
+child = threading.Thread(target=lambda: print("child", sorted(os.sched_getaffinity(0))))
+child.start(); child.join(); stop.set(); before.join()
+print("threads", torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="core pinning is Linux-only")
+def test_pin_to_cpus_moves_every_thread_and_sets_torch_threads():
+    """In a process of its own: threads that existed before and threads started after run on
+    the named core, torch uses one thread, and a core that does not exist is refused with
+    the config key and the usable cores named."""
+    import subprocess
+    import sys
+
+    core = max(os.sched_getaffinity(0))
+    out = subprocess.run(
+        [sys.executable, "-c", PIN_SCRIPT, str(core)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"child [{core}]" in out.stdout and "threads 1" in out.stdout
+    assert (
+        "refused: train.cpus: cores [" in out.stdout and "name cores from that list" in out.stdout
+    )

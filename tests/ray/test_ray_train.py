@@ -13,8 +13,17 @@ from trainer.config import load_config
 
 @pytest.mark.slow
 def test_scheduler_ray_trains_with_rollouts_on_ray_workers(cluster, tiny_model_dir, tmp_path):
+    """With the engine pinned to the first core and the trainer to the last (the
+    disaggregated layout of benchmarks/async_vs_sync.py --setting pinned)."""
+    import os
+
+    import torch
+
+    from areal_agents.hardware import pin_to_cpus
     from trainer.loop import Trainer
 
+    cores, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    engine_core, trainer_core = cores[0], cores[-1]
     cfg = load_config(
         None,
         [
@@ -33,10 +42,18 @@ def test_scheduler_ray_trains_with_rollouts_on_ray_workers(cluster, tiny_model_d
             "optim.lr=1e-2",
             "metrics.tensorboard=false",
             f"train.output_dir={tmp_path / 'run'}",
+            f"rollout.engine_cpus=[{engine_core}]",
+            f"train.cpus=[{trainer_core}]",
         ],
     )
     trainer = Trainer(cfg, quiet=True)
-    summary = asyncio.run(trainer.run())
+    try:
+        summary = asyncio.run(trainer.run())
+        assert os.sched_getaffinity(0) == {trainer_core} and torch.get_num_threads() == 1
+    finally:  # the rest of the session runs on every core again
+        pin_to_cpus(cores, "every core")
+        torch.set_num_threads(threads)
+    assert trainer.engine.info["cpus"] == [[engine_core]], "the engine actor runs on its core"
     assert type(trainer.source.runner).__name__ == "RayRunner"
     assert trainer.engine.version == 2, "the engine actor got the weights of both steps"
     counters = trainer.source.runner.counters

@@ -50,6 +50,7 @@ rollout:
   episode_timeout_s: null
   gamma: 0.9
   probe_size: 2
+  engine_cpus: [0]
 context: {policy: fail, reserve_tokens: 512, keep_last_turns: 2, summary_max_tokens: 512,
           summary_trained: false}
 rewards:
@@ -94,6 +95,7 @@ train:
   fsdp: false
   cpu_offload: false
   collective_timeout_s: 300.0
+  cpus: [1, 2]
 sft:
   enabled: true
   demos: demos.jsonl
@@ -160,6 +162,7 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
     assert (cfg.train.nproc, cfg.train.fsdp, cfg.train.sharded) == (1, False, False)
     assert cfg.train.collective_timeout_s == 300.0
     assert cfg.rollout.probe_size == 2
+    assert (cfg.rollout.engine_cpus, cfg.train.cpus) == ((0,), (1, 2))
     assert cfg.sft.kind == "episodes" and cfg.sft.lr == 1e-5
     assert cfg.metrics.tensorboard is False
     assert (cfg.advantage.estimator, cfg.advantage.omega) == ("step_group", 0.5)
@@ -547,3 +550,20 @@ def test_trainer_ranks_are_checked_before_the_run():
     warm = ["env.id=areal/Math-v0", "train.nproc=2", "sft.enabled=true", "sft.demos=d.jsonl"]
     assert load_config(None, warm).sft.enabled  # the ranks run the warm start too
     assert load_config(None, ["env.id=areal/Math-v0", "train.nproc=2", "scheduler=ray"])
+
+
+def test_core_pinning_keys_are_checked_before_the_run():
+    cfg = load_config(
+        None, ["env.id=areal/Math-v0", "scheduler=ray", "rollout.engine_cpus=[0]", "train.cpus=[1]"]
+    )
+    assert (cfg.rollout.engine_cpus, cfg.train.cpus) == ((0,), (1,))
+    problems = problems_of(None, ["env.id=areal/Math-v0", "rollout.engine_cpus=[0]"])
+    assert any(
+        p.startswith("rollout.engine_cpus: pins the engine's own process") and "scheduler=ray" in p
+        for p in problems
+    )
+    for bad in ("[]", "[1, 1]", "[-1]"):
+        problems = problems_of(None, ["env.id=areal/Math-v0", f"train.cpus={bad}"])
+        assert any(p.startswith("train.cpus: must be a non-empty list") for p in problems), bad
+    problems = problems_of(None, ["env.id=areal/Math-v0", "train.cpus=[a]"])
+    assert any(p.startswith("train.cpus: expected a list of int") for p in problems)
