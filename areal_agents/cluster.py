@@ -161,7 +161,8 @@ class EmbeddedSpec:
     (prepared on that node on first use). ``adapter``: a saved LoRA adapter directory (on the
     engine's node) applied on top. ``max_context``: the longest prompt + output in tokens
     (None: the model's own limit). ``cpus``: CPU cores the engine's process runs on, with as
-    many torch threads (None: wherever the OS puts it).
+    many torch threads (None: wherever the OS puts it). ``kv_on_update``: what a weight
+    update does with requests in flight (``EmbeddedEngine``'s).
     """
 
     model: str | None = None
@@ -171,6 +172,7 @@ class EmbeddedSpec:
     max_batch_size: int = 64
     max_context: int | None = None
     cpus: tuple[int, ...] | None = None
+    kv_on_update: str = "recompute"
 
     def __call__(self) -> Engine:
         from .chat import ChatTokenizer
@@ -191,6 +193,7 @@ class EmbeddedSpec:
             decode=decode,
             max_batch_size=self.max_batch_size,
             max_context=self.max_context,
+            kv_on_update=self.kv_on_update,
         )
 
     @property

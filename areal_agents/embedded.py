@@ -16,7 +16,13 @@ row is refilled by the last row, so no step copies the whole batch's cache (tran
 Weight updates interrupt generation in flight: the KV cache of every active request is
 dropped, the new weights are loaded, and each request is re-prefilled from its prompt plus
 the tokens it already generated, so later tokens are sampled (and tagged) with the new
-policy version. A LoRA adapter of a float32 model is merged into the weights it adapts
+policy version. With ``kv_on_update="keep"`` the requests in flight instead continue on
+their caches (keys and values of the earlier tokens as the old weights computed them), as
+in-flight weight updates do elsewhere: no re-prefill; later tokens are still sampled by the
+new weights, tagged with the new version, and their logprobs are the ones they were sampled
+with, so the trainer's off-policy correction sees exactly what happened.
+
+A LoRA adapter of a float32 model is merged into the weights it adapts
 (:class:`areal_agents.weights.MergedLora`), so decoding runs the plain model's forward.
 
 Logprobs follow :mod:`areal_agents.engine`: ``log_softmax(logits / T)`` in float32 over the
@@ -60,6 +66,9 @@ _LOGIT_SLICE = 1024
 _CASCADE_MIN_TOKENS = 16
 """Decode steps attend to a prefix shared by every row at least this long as one block
 (:func:`_cascade_attention`); shorter shared prefixes are read per row."""
+
+KV_ON_UPDATE = ("recompute", "keep")
+"""What a weight update does with the KV caches of requests in flight (see the module doc)."""
 
 _SHARE_MIN_TOKENS = 32
 """A request waits for the next admission round when an earlier request of this round will
@@ -130,7 +139,11 @@ class EmbeddedEngine:
         compute_lock: FairLock | None = None,
         prefix_cache_entries: int = 64,
         merged_lora: MergedLora | None = None,
+        kv_on_update: str = "recompute",
     ) -> None:
+        if kv_on_update not in KV_ON_UPDATE:
+            raise ValueError(f"kv_on_update: one of {KV_ON_UPDATE}, got {kv_on_update!r}")
+        self.kv_on_update = kv_on_update
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
@@ -169,6 +182,7 @@ class EmbeddedEngine:
             "prefix_full_hits": 0,
             "prefill_batches": 0,
             "cascade_steps": 0,
+            "kept_on_update": 0,
         }
         self._prefixes = _PrefixCache(prefix_cache_entries)
         # LoRA updates of a float32 model are merged into its weights (weights.MergedLora)
@@ -375,12 +389,14 @@ class EmbeddedEngine:
         return len(aborted)
 
     def _apply_update(self, update: WeightUpdate) -> int:
-        # Interrupt: drop every active request's KV cache; re-prefill after the update.
-        for req in self._active:
-            req.interruptions += 1
-        self._waiting = self._active + self._waiting
-        self._active, self._cache, self._mask, self._shared = [], None, None, None
-        self._prefixes.clear()  # cached keys and values belong to the old weights
+        if self.kv_on_update == "keep":  # the active rows decode on from their caches
+            self._stats["kept_on_update"] += len(self._active)
+        else:  # interrupt: drop every active request's KV cache; re-prefill after the update
+            for req in self._active:
+                req.interruptions += 1
+            self._waiting = self._active + self._waiting
+            self._active, self._cache, self._mask, self._shared = [], None, None, None
+        self._prefixes.clear()  # new requests start from keys and values of the new weights
         self.model = apply_weight_update(self.model, update, self._lora)
         self.model.eval()
         self._version = update.version if update.version is not None else self._version + 1

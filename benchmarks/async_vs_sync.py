@@ -108,8 +108,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="shared cores (one process), pinned (engine and trainer on cores of their own), "
         "or both",
     )
+    ap.add_argument(
+        "--kv-on-update",
+        choices=("recompute", "keep"),
+        default="recompute",
+        help="rollout.kv_on_update of both runs: what a weight update does with requests in "
+        "flight (only the async run has any)",
+    )
     ap.add_argument("--engine-core", type=int, default=0, help="the pinned engine's core")
     ap.add_argument("--trainer-core", type=int, default=1, help="the pinned trainer's core")
+    ap.add_argument(
+        "--ray-processes",
+        choices=("trainer-core", "any-core"),
+        default="trainer-core",
+        help="pinned setting: where Ray's own processes and the rollout workers (proxy, "
+        "runner, env) run; trainer-core leaves the engine's core to the engine alone",
+    )
     ap.add_argument("--out", default="runs/bench/async_vs_sync", help="where the runs write")
     ap.add_argument("--keep", action="store_true", help="keep final models and checkpoints")
     ap.add_argument(
@@ -194,6 +208,7 @@ def make_config(
         f"rollout.max_head_offpolicyness={eta}",
         f"rollout.concurrency={args.concurrency}",
         f"rollout.max_turns={args.max_turns}",
+        f"rollout.kv_on_update={args.kv_on_update}",
         "loss.proximal=loglinear",
         f"optim.lr={args.lr}",
         "train.micro_batch_tokens=2048",
@@ -309,16 +324,24 @@ def run_setting(
     args: argparse.Namespace, model: str, root: Path, pinned: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The sync and the async run of one setting; with ``pinned``, on a local Ray cluster
-    whose workers register the ``bench/`` envs."""
+    whose workers register the ``bench/`` envs, its processes started on the trainer's core
+    (``--ray-processes``), so that the engine's core runs the engine alone."""
+    from rl_common import set_threads
+
     setting = "pinned" if pinned else "shared"
     ray = None
     if pinned:
         import ray
 
+        from areal_agents.hardware import pin_to_cpus
+
+        cores = sorted(os.sched_getaffinity(0))
+        if args.ray_processes == "trainer-core":  # Ray's processes inherit this mask
+            pin_to_cpus([args.trainer_core], "--trainer-core")
         paths = [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
         ray.init(
             address="local",
-            num_cpus=len(os.sched_getaffinity(0)),
+            num_cpus=len(cores),
             log_to_driver=False,
             logging_level="warning",
             runtime_env={
@@ -326,6 +349,8 @@ def run_setting(
                 "worker_process_setup_hook": "rl_common.ray_worker_setup",
             },
         )
+        pin_to_cpus(cores, "every core")
+        set_threads(args.threads)
     try:
         etas = [0, args.eta] if args.order == "sync-first" else [args.eta, 0]
         rows = {
@@ -387,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
         f"model {model} ({lora}), {args.threads} threads; {args.steps} steps x "
         f"{args.batch_size} groups x {args.group_size} episodes, <= {args.max_new_tokens} "
         f"tokens per call, <= {args.max_turns} calls per episode; async eta={args.eta}, "
-        f"rollout.concurrency={args.concurrency}; load {load_average()}"
+        f"rollout.concurrency={args.concurrency}, kv_on_update={args.kv_on_update}; "
+        f"load {load_average()}"
     )
     print(delay_summary(args), flush=True)
     settings = {"shared": [False], "pinned": [True], "both": [False, True]}[args.setting]

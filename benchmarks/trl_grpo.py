@@ -24,6 +24,12 @@ threads, and both time the steps after a warm-up step:
   ``trl_grpo_runner.py`` in a subprocess with the same thread count. Gradient checkpointing,
   which TRL's config turns on by default, is off on both sides.
 
+Where the time goes, per timed step: "generating" is TRL's time inside ``model.generate``
+and, for ours, the engine's busy passes (prefill and decode spans, ``time/busy_engine``) in
+the step's window; "the rest" is everything else in the step (for TRL: rewards, the
+logprob and training passes; for ours: the trainer's passes, the proxy and runner, the
+weight update).
+
 Differences that remain: the reward function is each side's own (ours: the env's answer
 extraction; TRL: the runner's final-number match), generation samples different tokens
 (so completion lengths differ a little: both are printed, with tokens/s), and each side
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -189,7 +196,10 @@ def summarize_trl(args: argparse.Namespace, res: Any) -> dict[str, float]:
     lengths = [log.get("completions/mean_length", 0.0) for log in logs[WARMUP_STEPS:]]
     rewards = [log.get("reward", 0.0) for log in logs[WARMUP_STEPS:]]
     mean_len = sum(lengths) / max(len(lengths), 1)
+    gen = res.get("generate_ends") or []
+    generate = (gen[-1] - gen[WARMUP_STEPS - 1]) / n if len(gen) == len(ends) else math.nan
     return {
+        "generate_s_per_step": generate,
         "steps": n,
         "seconds": timed,
         "samples": samples,
@@ -208,7 +218,11 @@ def summarize_ours(trainer: Any) -> dict[str, float]:
     samples = sum(int(s["samples"]) for s in stats)
     episodes = trainer.episodes_per_step[WARMUP_STEPS:]
     tokens = sum(s["episode_tokens_mean"] * e for s, e in zip(stats, episodes, strict=True))
+    # The spans' busy shares of each step window (time/*): engine passes and trainer passes.
+    walls = [b - a for a, b in zip(ends[WARMUP_STEPS - 1 :], ends[WARMUP_STEPS:], strict=False)]
+    engine = [s.get("time/busy_engine", math.nan) * w for s, w in zip(stats, walls, strict=True)]
     return {
+        "generate_s_per_step": sum(engine) / max(n, 1),
         "steps": n,
         "seconds": timed,
         "samples": samples,
@@ -256,12 +270,17 @@ def main(argv: list[str] | None = None) -> None:
         trainer = run_ours(args, model)
         results[f"ours (eta={args.eta})"] = summarize_ours(trainer)
     print(f"\nload after the runs: {load_average()}")
-    header = "| run | s/step | samples/s | completion tokens (mean) | completion tok/s | reward |"
+    header = (
+        "| run | s/step | generating s/step | the rest s/step | samples/s | "
+        "completion tokens (mean) | completion tok/s | reward |"
+    )
     print(header)
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
+        gen = r["generate_s_per_step"]
         print(
-            f"| {name} | {r['s_per_step']:.2f} | {r['samples_per_s']:.2f} | "
+            f"| {name} | {r['s_per_step']:.2f} | {gen:.2f} | {r['s_per_step'] - gen:.2f} | "
+            f"{r['samples_per_s']:.2f} | "
             f"{r['completion_tokens_mean']:.1f} | {r['completion_tokens_per_s']:.1f} | "
             f"{r['reward_mean']:.3f} |"
         )
@@ -271,6 +290,10 @@ def main(argv: list[str] | None = None) -> None:
             f"ratio (ours / TRL), trained samples/s: "
             f"{ours_r['samples_per_s'] / trl_r['samples_per_s']:.2f}x"
         )
+        for part, key in (("generating", "generate_s_per_step"), ("the rest", None)):
+            t = trl_r[key] if key else trl_r["s_per_step"] - trl_r["generate_s_per_step"]
+            o = ours_r[key] if key else ours_r["s_per_step"] - ours_r["generate_s_per_step"]
+            print(f"  {part}: TRL {t:.2f} s/step, ours {o:.2f} s/step ({t / o:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -71,8 +71,10 @@ def main() -> None:
     class StepClock(TrainerCallback):  # type: ignore[misc]
         """Wall-clock time at the end of each step, and what TRL logs for it."""
 
-        def __init__(self, quiet: bool) -> None:
+        def __init__(self, quiet: bool, generate_s: list[float]) -> None:
             self.quiet = quiet
+            self.generate_s = generate_s  # seconds inside model.generate so far (one cell)
+            self.generate_ends: list[float] = []
             self.step_ends: list[float] = []
             self.logs: list[dict[str, float]] = []
             self.t_start = time.perf_counter()
@@ -82,6 +84,7 @@ def main() -> None:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.step_ends.append(time.perf_counter())
+            self.generate_ends.append(self.generate_s[0])
             if not self.quiet:
                 took = self.step_ends[-1] - ([self.t_start, *self.step_ends][-2])
                 print(f"TRL step {state.global_step}/{state.max_steps}: {took:.1f} s", flush=True)
@@ -107,6 +110,17 @@ def main() -> None:
         prompt_ids(row["prompt"]) == ids for row, ids in zip(rows, ours, strict=False)
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # Time TRL's generation: its calls reach this model's generate through peft's wrapper.
+    generate_s, plain_generate = [0.0], model.generate
+
+    def timed_generate(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return plain_generate(*args, **kwargs)
+        finally:
+            generate_s[0] += time.perf_counter() - t
+
+    model.generate = timed_generate
     lora = spec["lora"]
     peft_config = peft.LoraConfig(
         task_type="CAUSAL_LM",
@@ -149,7 +163,7 @@ def main() -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    clock = StepClock(bool(spec.get("quiet", False)))
+    clock = StepClock(bool(spec.get("quiet", False)), generate_s)
     trainer = trl.GRPOTrainer(
         model=model,
         reward_funcs=answer_reward,
@@ -165,6 +179,7 @@ def main() -> None:
     result = {
         "t_start": clock.t_start,
         "step_ends": clock.step_ends,
+        "generate_ends": clock.generate_ends,
         "logs": clock.logs,
         "same_prompt_ids": same_prompts,
         "threads": torch.get_num_threads(),

@@ -284,6 +284,12 @@ class RolloutConfig(_Checked):
     worker API (the ``workers`` section) and call the proxy themselves, or
     ``self_rewarded``: no env; a service opens sessions in groups with the worker token,
     posts their rewards and ends them (see ``trainer.rollout.SessionSource``)."""
+    kv_on_update: Literal["recompute", "keep"] = "recompute"
+    """What a weight update does with the engine's requests in flight (asynchronous runs):
+    ``recompute`` drops their KV caches and re-prefills each with the new weights; ``keep``
+    lets them decode on from their caches (keys and values the old weights computed), with
+    no re-prefill. Either way later tokens are sampled by the new weights and carry the new
+    version and the logprobs they were sampled with."""
     engine_cpus: tuple[int, ...] | None = None
     """CPU cores the engine actor runs on, with that many torch threads (``scheduler: ray``
     only: the engine is then a process of its own); None = wherever Ray puts it. Beside

@@ -667,6 +667,7 @@ def build_rollout(
         max_batch_size=max(cfg.rollout.concurrency, 1),
         max_context=cfg.model.max_context,  # the proxy refuses longer prompts (400)
         compute_lock=compute_lock,
+        kv_on_update=cfg.rollout.kv_on_update,
     )
     external = cfg.rollout.agents == "external"
     store = EpisodeStore(out / "episodes.db")  # every episode of the run, for inspection
@@ -789,6 +790,7 @@ def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any
         max_batch_size=max(cfg.rollout.concurrency, 1),
         max_context=cfg.model.max_context,
         cpus=cfg.rollout.engine_cpus,
+        kv_on_update=cfg.rollout.kv_on_update,
     )
     cores = cfg.rollout.engine_cpus
     engine = RayEngine.start(spec, num_cpus=float(len(cores)) if cores else 1.0)

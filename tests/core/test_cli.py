@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -69,17 +70,43 @@ def test_serve_smoke_answers_and_records_with_the_default_model():
 
 
 @pytest.mark.slow
-def test_quickstart_train_runs_and_writes_logs_checkpoints_and_final_model(quickstart_run):
-    """The README's first command, on the default model (about a minute on 2 cores)."""
+def test_quickstart_shows_learning_and_writes_logs_checkpoints_and_final_model(quickstart_run):
+    """The README's first command, on the default model (about 4 minutes on 2 cores): it
+    ends with the held-out success of the base model, after the warm start and after RL,
+    and with where to look next. The warm start teaches the tool call (the base model never
+    makes one), so it must gain at least 30 points on the 32 greedy held-out problems."""
+    import re
+
     out, run = quickstart_run.proc, quickstart_run.out
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"areal-agent view {run}" in out.stdout  # where to look at it
-    assert (run / "metrics.jsonl").read_text().count("\n") == 2
+    line = re.search(
+        r"held-out success: base (\d+)% -> warm start (\d+)% -> RL (\d+)% \(32 tasks, greedy, "
+        r"test split\)",
+        out.stdout,
+    )
+    assert line, out.stdout
+    base, warm, _ = (int(x) for x in line.groups())
+    assert warm >= base + 30, line.group(0)
+    assert out.stdout.rstrip().endswith(f"(see it in the browser: areal-agent view {run})")
+    evals = json.loads((run / "eval.json").read_text())
+    assert [e["label"] for e in evals] == ["base", "warm_start", "final"], evals
+    assert (run / "metrics.jsonl").read_text().count("\n") == 4
     assert any((run / "tensorboard").iterdir())
-    assert (run / "checkpoints" / "latest").read_text() == "step-000002"
+    assert (run / "checkpoints" / "latest").read_text() == "step-000004"
     assert (run / "final" / "config.json").exists()
     assert (run / "config.yaml").exists()
     assert (run / "episodes.db").exists()
+
+
+@pytest.mark.slow
+def test_short_run_of_the_quickstart_config_writes_its_steps(short_run):
+    """The quickstart config cut to 2 steps without warm start and evaluations (the view's
+    test data): one metrics row and one checkpoint per step."""
+    out, run = short_run.proc, short_run.out
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "held-out success" not in out.stdout
+    assert (run / "metrics.jsonl").read_text().count("\n") == 2
+    assert (run / "checkpoints" / "latest").read_text() == "step-000002"
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_agents.embedded import EmbeddedEngine
-from areal_agents.engine import SamplingParams
+from areal_agents.engine import SamplingParams, WeightUpdate
 
 
 @pytest.fixture(scope="module")
@@ -365,3 +365,52 @@ async def test_rows_sharing_a_prefix_decode_exactly_with_cascade_attention(
             assert_greedy_matches_hf(hf_model, prompt, res, len(res.output_ids))
     finally:
         await eng.close()
+
+
+async def test_kept_caches_decode_on_through_a_weight_update(tiny_model_dir, hf_model):
+    """``kv_on_update="keep"``: a request in flight is not re-prefilled. Its tokens after the
+    update carry the new version and are the new weights' greedy continuation *over the old
+    weights' keys and values* of everything before the last token sampled before the update
+    (that token is fed by the first decode step after it), with those logprobs."""
+    gen = torch.Generator().manual_seed(3)
+    new_weights, seen = {}, {}
+    for k, v in hf_model.state_dict().items():  # tied tensors stay tied
+        if v.data_ptr() not in seen:
+            seen[v.data_ptr()] = v + 0.5 * torch.randn(v.shape, generator=gen)
+        new_weights[k] = seen[v.data_ptr()]
+    new_model = AutoModelForCausalLM.from_config(hf_model.config, dtype=torch.float32).eval()
+    new_model.load_state_dict(new_weights)
+    eng = EmbeddedEngine.from_pretrained(
+        tiny_model_dir, dtype="float32", max_batch_size=4, kv_on_update="keep"
+    )
+    prompt = [5, 17, 42, 7, 99, 3]
+    try:
+        greedy = SamplingParams(temperature=0, max_new_tokens=40)
+        task = asyncio.create_task(eng.generate(prompt, greedy))
+        while (await eng.health())["output_tokens"] < 4:  # some tokens before the update
+            await asyncio.sleep(0.001)
+        await eng.pause()
+        prefills = (await eng.health())["prefills"]
+        v1 = await eng.update_weights(WeightUpdate(state_dict=new_weights, version=7))
+        await eng.resume()
+        res = await task
+        health = await eng.health()
+    finally:
+        await eng.close()
+    assert res.interruptions == 0 and health["prefills"] == prefills  # no re-prefill
+    assert health["kept_on_update"] == 1
+    switch = res.output_versions.index(v1)
+    assert 0 < switch < len(res.output_ids) - 8
+    assert res.output_versions == [0] * switch + [v1] * (len(res.output_ids) - switch)
+    out = res.output_ids
+    with torch.no_grad():
+        past = hf_model(torch.tensor([prompt + out[: switch - 1]])).past_key_values
+        token, tail, logprobs = out[switch - 1], [], []
+        for _ in range(8):
+            step = new_model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past, logits = step.past_key_values, step.logits[0, -1].float()
+            token = int(logits.argmax())
+            tail.append(token)
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+    assert out[switch : switch + 8] == tail
+    assert res.output_logprobs[switch : switch + 8] == pytest.approx(logprobs, abs=1e-4)

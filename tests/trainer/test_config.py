@@ -50,6 +50,7 @@ rollout:
   episode_timeout_s: null
   gamma: 0.9
   probe_size: 2
+  kv_on_update: keep
   engine_cpus: [0]
 context: {policy: fail, reserve_tokens: 512, keep_last_turns: 2, summary_max_tokens: 512,
           summary_trained: false}
@@ -163,6 +164,7 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
     assert cfg.train.collective_timeout_s == 300.0
     assert cfg.rollout.probe_size == 2
     assert (cfg.rollout.engine_cpus, cfg.train.cpus) == ((0,), (1, 2))
+    assert cfg.rollout.kv_on_update == "keep"
     assert cfg.sft.kind == "episodes" and cfg.sft.lr == 1e-5
     assert cfg.metrics.tensorboard is False
     assert (cfg.advantage.estimator, cfg.advantage.omega) == ("step_group", 0.5)

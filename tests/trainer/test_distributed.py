@@ -235,9 +235,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_quickstart_on_two_ranks_ends_with_a_model_serve_loads(tmp_path):
-    """The README's quickstart (the default model, LoRA) with ``--nproc 2``: both steps, the
-    weight syncs, the checkpoints' shards of both ranks, and a merged final model that
-    ``areal-agent serve --model`` answers a chat completion with."""
+    """The README's quickstart (the default model, LoRA) with ``--nproc 2``, cut to a warm
+    start on 16 demonstrations and 2 steps without held-out evaluations: the warm start and
+    the steps on both ranks, the weight syncs, the checkpoints' shards of both ranks, and a
+    merged final model that ``areal-agent serve --model`` answers a chat completion with."""
     out = tmp_path / "quickstart"
     cli = [sys.executable, "-m", "areal_agents.cli"]
     train = subprocess.run(
@@ -251,6 +252,9 @@ def test_quickstart_on_two_ranks_ends_with_a_model_serve_loads(tmp_path):
             "--quiet",
             f"train.output_dir={out}",
             "metrics.tensorboard=false",
+            "sft.generate=16",
+            "eval.episodes=0",
+            "train.steps=2",
         ],
         cwd=REPO,
         capture_output=True,
@@ -261,6 +265,7 @@ def test_quickstart_on_two_ranks_ends_with_a_model_serve_loads(tmp_path):
     assert f"final model: {out / 'final'}" in train.stdout
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    assert (out / "sft.json").exists(), "the ranks ran the warm start"
     assert all(r["weight_sync_s"] > 0 and r["loss/micro_batches"] >= 1 for r in rows)
     ckpt = out / "checkpoints" / "step-000002"
     assert (ckpt / "dcp" / ".metadata").exists() and (ckpt / "rng-rank1.pt").exists()

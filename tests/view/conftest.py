@@ -1,14 +1,14 @@
 """Fixtures of the browser suite (tests/view): one headless Chromium for the session,
 ``areal-agent view`` started as a user starts it, and the runs it shows.
 
-The view gets three sources: the README's quickstart training run and the default model's
-eval (``quickstart_run`` and ``eval_run`` of tests/conftest.py, which tests/core/test_cli.py
+The view gets three sources: a short training run of the quickstart config and the default
+model's eval (``short_run`` and ``eval_run`` of tests/conftest.py, which tests/core/test_cli.py
 checks too), and ``tool_run``: a small training-run directory whose episodes were recorded
 through the real proxy (real Qwen3 tokenizer, chat template and tool-call parser) from
 scripted model replies, with multi-turn and parallel tool calls, per-call and final
 rewards, a discount below 1, two policy versions and trainer records of what was trained.
-The quickstart's 135M model rarely calls a tool and earns no reward in two steps, so
-rewards, returns and advantages that can differ from zero come from ``tool_run``.
+The short run's base model (no warm start) rarely calls a tool and earns no reward in two
+steps, so rewards, returns and advantages that can differ from zero come from ``tool_run``.
 """
 
 from __future__ import annotations
@@ -86,28 +86,28 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Runs:
     """The three runs the view shows (their directories; names are the basenames)."""
 
-    quickstart: Path
+    short: Path
     eval: Path
     tools: Path
 
 
 @pytest.fixture(scope="session")
-def runs(quickstart_run: Any, eval_run: Any, tool_run: Path) -> Runs:
-    for r in (quickstart_run, eval_run):
+def runs(short_run: Any, eval_run: Any, tool_run: Path) -> Runs:
+    for r in (short_run, eval_run):
         assert r.proc.returncode == 0, r.proc.stderr[-3000:]
-    return Runs(quickstart_run.out, eval_run.out, tool_run)
+    return Runs(short_run.out, eval_run.out, tool_run)
 
 
 @pytest.fixture(scope="session")
 def view(browser: Any, runs: Runs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``areal-agent view QUICKSTART EVAL TOOLS --port P --no-browser`` in a subprocess, as a
+    """``areal-agent view SHORT EVAL TOOLS --port P --no-browser`` in a subprocess, as a
     user starts it; its base URL (without the trailing slash), once it answers."""
     from areal_agents.server import free_port
 
     port = free_port()
     log = tmp_path_factory.mktemp("view-log") / "stderr.txt"
     cmd = [sys.executable, "-m", "areal_agents.cli", "view"]
-    cmd += [str(runs.quickstart), str(runs.eval), str(runs.tools)]
+    cmd += [str(runs.short), str(runs.eval), str(runs.tools)]
     with log.open("w") as err:
         proc = subprocess.Popen(
             [*cmd, "--port", str(port), "--no-browser"],

@@ -1,6 +1,6 @@
 """``areal-agent view`` in a real browser (headless Chromium driven by Selenium) on the runs
-of tests/view/conftest.py: the quickstart training run, the default model's eval and a
-tool-using run recorded through the proxy.
+of tests/view/conftest.py: a short training run of the quickstart config, the default
+model's eval and a tool-using run recorded through the proxy.
 
 What a page shows is compared with what was recorded, read back through the store's own API
 (``EpisodeStore.load(sid).episode.to_dict(gamma)``: the proxy's trajectory JSON, and
@@ -218,23 +218,21 @@ def fmt_variants(x: float) -> set[str]:
 def test_runs_page_lists_every_run_with_its_status_and_steps(browser, view, runs, shots):
     browser.get(view + "/")
     rows = {r.get_attribute("data-run"): r for r in find(browser, "table#runs tr.run")}
-    assert set(rows) == {runs.quickstart.name, runs.eval.name, runs.tools.name}
-    config = yaml.safe_load((runs.quickstart / "config.yaml").read_text())
-    quick = rows[runs.quickstart.name]
+    assert set(rows) == {runs.short.name, runs.eval.name, runs.tools.name}
+    config = yaml.safe_load((runs.short / "config.yaml").read_text())
+    quick = rows[runs.short.name]
     steps = [
         int(n) for n in re.findall(r"\d+", quick.find_element(By.CSS_SELECTOR, "td.steps").text)
     ]
-    assert steps == [metrics(runs.quickstart)[-1]["step"], config["train"]["steps"]]
+    assert steps == [metrics(runs.short)[-1]["step"], config["train"]["steps"]]
     assert "finished" in quick.find_element(By.CSS_SELECTOR, "td.status").text.lower()  # final/
     shot(browser, shots, "runs.png")
     quick.find_element(By.CSS_SELECTOR, "a.run-link").click()
-    WebDriverWait(browser, 10).until(
-        lambda d: d.current_url == f"{view}/runs/{runs.quickstart.name}"
-    )
+    WebDriverWait(browser, 10).until(lambda d: d.current_url == f"{view}/runs/{runs.short.name}")
 
 
 # ---------------------------------------------------------------------------- dashboard
-@pytest.mark.parametrize("which", ["quickstart", "tools"])
+@pytest.mark.parametrize("which", ["short", "tools"])
 def test_dashboard_charts_the_recorded_metrics(browser, view, runs, shots, which):
     run = getattr(runs, which)
     rows = metrics(run)
@@ -251,7 +249,7 @@ def test_dashboard_charts_the_recorded_metrics(browser, view, runs, shots, which
     latest = one(browser, "#latest-metrics").text
     assert "reward_mean" in latest
     assert fmt_variants(rows[-1]["reward_mean"]) & set(latest.split()), latest
-    if which == "quickstart":
+    if which == "short":
         for metric in ("entropy", "loss", "busy", "idle"):  # recorded by every training step
             wait_drawn(browser, metric)
         shot(browser, shots, "dashboard.png")
@@ -261,7 +259,7 @@ def test_dashboard_charts_the_recorded_metrics(browser, view, runs, shots, which
 
 # ---------------------------------------------------------------------------- episode browser
 def test_episode_browser_lists_filters_and_searches(browser, view, runs, shots):
-    run = runs.quickstart
+    run = runs.short
     eps = recorded(run)
     base = f"{view}/runs/{run.name}/episodes"
     browser.get(base)
@@ -279,7 +277,7 @@ def test_episode_browser_lists_filters_and_searches(browser, view, runs, shots):
     shot(browser, shots, "episodes.png")
 
     reasons = Counter(e.trajectory["end_reason"] for e in eps.values())
-    assert len(reasons) >= 2, reasons  # quickstart: terminated, and cancelled at the end
+    assert len(reasons) >= 2, reasons  # the short run: terminated, and cancelled at the end
     for reason in reasons:
         browser.get(base)
         choose(one(browser, "form#filters select[name=end_reason]"), reason)
@@ -340,7 +338,7 @@ def test_episode_browser_filters_by_reward_step_group_and_task(browser, view, ru
 
 
 def test_episode_browser_moves_with_j_and_k_and_opens_with_enter(browser, view, runs):
-    run = runs.quickstart
+    run = runs.short
     browser.get(f"{view}/runs/{run.name}/episodes")
     order = shown_sessions(browser)
     assert len(order) >= 4
@@ -434,10 +432,10 @@ def test_episode_view_shows_the_recorded_calls_rewards_returns_and_advantages(
     assert any(not e.records for e in eps.values()) and any(e.records for e in eps.values())
     for ep in eps.values():
         check_episode_page(browser, view, runs.tools, ep)
-    quick = recorded(runs.quickstart)
+    quick = recorded(runs.short)
     trained = [e for e in quick.values() if e.records]
-    assert trained, "the quickstart trained no episode"
-    check_episode_page(browser, view, runs.quickstart, trained[0])
+    assert trained, "the short run trained no episode"
+    check_episode_page(browser, view, runs.short, trained[0])
     assert find(browser, 'div.msg[data-role="system"]') and find(
         browser, 'div.msg[data-role="user"]'
     )
@@ -516,16 +514,16 @@ def test_token_view_colours_every_sampled_token(browser, view, runs, shots):
     browser.get(f"{view}/runs/{run.name}/episodes/{untrained.sid}/tokens/{last['id']}?color=weight")
     check_tokens(browser, untrained, last, "weight")
 
-    quick = next(e for e in recorded(runs.quickstart).values() if e.records)
+    quick = next(e for e in recorded(runs.short).values() if e.records)
     qc = quick.completions[0]
     browser.get(
-        f"{view}/runs/{runs.quickstart.name}/episodes/{quick.sid}/tokens/{qc['id']}?color=weight"
+        f"{view}/runs/{runs.short.name}/episodes/{quick.sid}/tokens/{qc['id']}?color=weight"
     )
     check_tokens(browser, quick, qc, "weight")
 
 
 # ---------------------------------------------------------------------------- its group
-@pytest.mark.parametrize("which", ["tools", "quickstart"])
+@pytest.mark.parametrize("which", ["tools", "short"])
 def test_group_view_puts_the_group_side_by_side(browser, view, runs, shots, which):
     run = getattr(runs, which)
     eps = recorded(run)
