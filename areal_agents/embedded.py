@@ -89,6 +89,8 @@ class _Request:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
     interruptions: int = 0
+    kept_kv: bool = False
+    """Its cache holds keys and values of older weights (kept through an update)."""
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         result = GenerateResult(
@@ -391,6 +393,10 @@ class EmbeddedEngine:
     def _apply_update(self, update: WeightUpdate) -> int:
         if self.kv_on_update == "keep":  # the active rows decode on from their caches
             self._stats["kept_on_update"] += len(self._active)
+            for req in self._active:
+                req.kept_kv = True
+            if self._shared is not None:  # rows joining later read their own prefix
+                self._shared.length = 0
         else:  # interrupt: drop every active request's KV cache; re-prefill after the update
             for req in self._active:
                 req.interruptions += 1
@@ -636,7 +642,7 @@ class EmbeddedEngine:
         assert self._mask is not None and self._cache is not None
         ids = (req.prompt_ids + req.out_ids)[:-1]  # the last sampled token is not cached
         n = int(self._mask[row].sum())
-        if n != len(ids) or self._prefixes.max_entries < 1:
+        if n != len(ids) or self._prefixes.max_entries < 1 or req.kept_kv:
             return
         kv = [
             (layer.keys[row : row + 1, :, -n:].clone(), layer.values[row : row + 1, :, -n:].clone())

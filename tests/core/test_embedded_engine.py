@@ -383,7 +383,7 @@ async def test_kept_caches_decode_on_through_a_weight_update(tiny_model_dir, hf_
     eng = EmbeddedEngine.from_pretrained(
         tiny_model_dir, dtype="float32", max_batch_size=4, kv_on_update="keep"
     )
-    prompt = [5, 17, 42, 7, 99, 3]
+    prompt = [5, 17, 42, 7, 99, 3] * 4  # long enough for the batch's shared-prefix attention
     try:
         greedy = SamplingParams(temperature=0, max_new_tokens=40)
         task = asyncio.create_task(eng.generate(prompt, greedy))
@@ -393,11 +393,17 @@ async def test_kept_caches_decode_on_through_a_weight_update(tiny_model_dir, hf_
         prefills = (await eng.health())["prefills"]
         v1 = await eng.update_weights(WeightUpdate(state_dict=new_weights, version=7))
         await eng.resume()
+        # Joining the kept row, and the kept conversation's next turn: both the new weights'
+        # own continuations, never reading the old weights' keys and values.
+        joined = await eng.generate(prompt, greedy.replace(max_new_tokens=8))
         res = await task
+        turn = prompt + res.output_ids + [11, 12]
+        after = await eng.generate(turn, greedy.replace(max_new_tokens=8))
         health = await eng.health()
     finally:
         await eng.close()
-    assert res.interruptions == 0 and health["prefills"] == prefills  # no re-prefill
+    # no re-prefill: the only prefills after the update are the two new requests'
+    assert res.interruptions == 0 and health["prefills"] == prefills + 2
     assert health["kept_on_update"] == 1
     switch = res.output_versions.index(v1)
     assert 0 < switch < len(res.output_ids) - 8
@@ -414,3 +420,5 @@ async def test_kept_caches_decode_on_through_a_weight_update(tiny_model_dir, hf_
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
     assert out[switch : switch + 8] == tail
     assert res.output_logprobs[switch : switch + 8] == pytest.approx(logprobs, abs=1e-4)
+    assert_greedy_matches_hf(new_model, prompt, joined, 8)
+    assert_greedy_matches_hf(new_model, turn, after, 8)
