@@ -205,8 +205,17 @@ class EngineHost:
     """The body of an engine actor: builds its engine once and serves it to the clients."""
 
     def __init__(self, factory: Callable[[], Engine]) -> None:
+        from . import spans
+
+        # The engine's prefill / decode spans, kept here until the trainer takes them
+        # (``take_spans``); a client that never does keeps the newest 100k.
+        self._spans = spans.record_to(None, max_pending=100_000)
         self.engine = factory()
         self._takes_route_key = accepts_route_key(self.engine)
+
+    async def take_spans(self) -> list[dict[str, Any]]:
+        """The spans this engine recorded since the last call, on the wall clock."""
+        return self._spans.drain()
 
     async def describe(self) -> dict[str, Any]:
         return {
@@ -372,6 +381,15 @@ class RayEngine:
             )
         self._version = int(versions[0])
         return self._version
+
+    async def take_spans(self) -> list[dict[str, Any]]:
+        """The engine actors' spans since the last call (wall-clock times, for
+        :meth:`areal_agents.spans.SpanRecorder.merge`); with several replicas each one's lane
+        is ``engine<i>``."""
+        got = await self._broadcast("take_spans")
+        if len(got) == 1:
+            return list(got[0])
+        return [{**r, "lane": f"{r['lane']}{i}"} for i, rows in enumerate(got) for r in rows]
 
     async def pause(self) -> None:
         await self._broadcast("pause")

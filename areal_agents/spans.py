@@ -52,8 +52,17 @@ class SpanRecorder:
     for :meth:`window`, e.g. in tests). Thread-safe: the engine's worker thread, the
     trainer's thread and the event loop record into one recorder."""
 
-    def __init__(self, path: str | Path | None = None, *, keep_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        keep_s: float = 3600.0,
+        max_pending: int | None = None,
+    ) -> None:
         self.path = Path(path) if path is not None else None
+        self.max_pending = max_pending
+        """At most this many spans wait for a flush or a drain (the oldest go first); None:
+        no limit (a recorder with a file flushes every step)."""
         self.t0 = time.perf_counter()
         self.keep_s = keep_s
         self._lock = threading.Lock()
@@ -73,6 +82,10 @@ class SpanRecorder:
         with self._lock:
             self._pending.append(row)
             self._recent.append((lane, name, start, end))
+            if self.max_pending is not None and len(self._pending) > self.max_pending:
+                cut = len(self._pending) - self.max_pending
+                del self._pending[:cut]
+                del self._recent[: max(0, len(self._recent) - self.max_pending)]
 
     @contextlib.contextmanager
     def span(self, lane: str, name: str, **attrs: Any) -> Iterator[None]:
@@ -88,6 +101,25 @@ class SpanRecorder:
         with self._lock:
             self._recent = [s for s in self._recent if s[3] >= end - self.keep_s]
             return [s for s in self._recent if s[3] > start and s[2] < end]
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Hand over the spans recorded since the last drain, times on the wall clock
+        (``time.time``), and forget them: how a process with no file of its own (an engine
+        actor) passes its spans to the process that writes them (:meth:`merge`)."""
+        shift = time.time() - time.perf_counter()
+        with self._lock:
+            rows, self._pending, self._recent = self._pending, [], []
+        return [{**r, "start": r["start"] + shift, "end": r["end"] + shift} for r in rows]
+
+    def merge(self, rows: Iterable[dict[str, Any]], **attrs: Any) -> None:
+        """Record spans that another process drained (wall-clock times), on this process's
+        clock, with ``attrs`` added (e.g. ``lane="engine1"``)."""
+        shift = time.perf_counter() - time.time()
+        for r in rows:
+            r = {**r, **attrs}
+            lane, name = r.pop("lane"), r.pop("name")
+            start, end = r.pop("start") + shift, r.pop("end") + shift
+            self.add(lane, name, start, end, **r)
 
     def flush(self) -> None:
         """Append the spans recorded since the last flush to the file."""
@@ -118,6 +150,12 @@ class _Off:
     def window(self, start: float, end: float) -> list[tuple[str, str, float, float]]:
         return []
 
+    def drain(self) -> list[dict[str, Any]]:
+        return []
+
+    def merge(self, rows: Iterable[dict[str, Any]], **attrs: Any) -> None:
+        return None
+
     def flush(self) -> None:
         return None
 
@@ -131,10 +169,10 @@ def current() -> SpanRecorder | _Off:
     return _current
 
 
-def record_to(path: str | Path | None) -> SpanRecorder:
+def record_to(path: str | Path | None, *, max_pending: int | None = None) -> SpanRecorder:
     """Start recording this process's spans (to ``path``; None: in memory only)."""
     global _current
-    _current = SpanRecorder(path)
+    _current = SpanRecorder(path, max_pending=max_pending)
     return _current
 
 
@@ -226,12 +264,22 @@ def length(xs: Iterable[Interval]) -> float:
 
 
 def busy_idle(
-    spans: Iterable[tuple[str, str, float, float]], start: float, end: float
+    spans: Iterable[tuple[str, str, float, float]],
+    start: float,
+    end: float,
+    *,
+    cores: dict[str, int] | None = None,
 ) -> dict[str, float]:
     """The busy fractions and idle seconds of the window ``[start, end]`` (see the module
     docstring): ``time/busy``, ``time/busy_<lane>`` per lane that computed, ``time/idle_s``,
     ``time/idle_<cause>_s`` per :data:`IDLE_CAUSES`, ``time/lock_wait_s`` and
-    ``time/reprefill_s`` (compute spent again on requests a weight update interrupted)."""
+    ``time/reprefill_s`` (compute spent again on requests a weight update interrupted).
+
+    ``cores``: when lanes run on cores of their own (``{"engine": 1, "trainer": 1}``), also
+    ``time/busy_cores``, the share of those cores' time spent computing::
+
+        busy_cores = sum_L busy_L * cores_L / sum_L cores_L
+    """
     wall = end - start
     if wall <= 0:
         return {}
@@ -251,6 +299,11 @@ def busy_idle(
     for cause in IDLE_CAUSES:
         cover = union((a, b) for _, n, a, b in clip if n == cause)
         out[f"time/idle_{cause}_s"] = length(intersect(idle, cover))
+    if cores:
+        total = sum(cores.values())
+        out["time/busy_cores"] = (
+            sum(length(busy_by_lane.get(lane, [])) * n for lane, n in cores.items()) / wall / total
+        )
     out["time/lock_wait_s"] = length(union((a, b) for _, n, a, b in clip if n == "lock_wait"))
     out["time/reprefill_s"] = length(union((a, b) for _, n, a, b in clip if n == "reprefill"))
     return out

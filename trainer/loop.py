@@ -146,6 +146,10 @@ class Trainer:
         lock = FairLock() if default_device(cfg.model.device).startswith("cpu") else None
         policy_kw, critic_kw = model_kwargs(cfg, self.spec, self.model_path, quiet=self.quiet)
         self.policy, self.critic = self._models(policy_kw, critic_kw, lock)
+        if cfg.train.cpus is not None and cfg.scheduler == "ray":
+            # Before Ray starts, so its processes (and the rollout workers) share the
+            # trainer's cores; the engine actor moves itself to rollout.engine_cpus.
+            pin_to_cpus(cfg.train.cpus, "train.cpus")
         rollout = build_rollout(
             cfg,
             model_path=self.model_path,
@@ -157,8 +161,14 @@ class Trainer:
             quiet=self.quiet,
         )
         self.engine, self.source = rollout.engine, rollout.source
-        if cfg.train.cpus is not None:  # after Ray's processes start: they keep every core
+        if cfg.train.cpus is not None and cfg.scheduler != "ray":
             pin_to_cpus(cfg.train.cpus, "train.cpus")
+        self._lane_cores: dict[str, int] | None = None  # the cores each lane has to itself
+        if cfg.rollout.engine_cpus is not None and cfg.train.cpus is not None:
+            self._lane_cores = {
+                "engine": len(cfg.rollout.engine_cpus),
+                "trainer": len(cfg.train.cpus),
+            }
         self.make_env = self.source.make_env
         self.seed_base = self.source.settings.seed_base
         self.held_out = HeldOut(cfg, self.out)  # a bad eval section fails here
@@ -404,7 +414,11 @@ class Trainer:
         now = time.perf_counter()
         scalars["weight_sync_s"] = now - t0
         recorder = spans.current()
-        scalars.update(spans.busy_idle(recorder.window(self._t_window, now), self._t_window, now))
+        take = getattr(self.engine, "take_spans", None)  # an engine in a process of its own
+        if take is not None:
+            recorder.merge(await take())
+        window = recorder.window(self._t_window, now)
+        scalars.update(spans.busy_idle(window, self._t_window, now, cores=self._lane_cores))
         cpu = time.process_time()  # every thread of this process, user + system
         scalars["time/cpu"] = (cpu - self._cpu_window) / ((now - self._t_window) * CORES)
         self._t_window, self._cpu_window = now, cpu

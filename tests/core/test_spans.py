@@ -59,6 +59,41 @@ def test_busy_and_idle_of_a_window_by_hand() -> None:
     assert spans.busy_idle(rows, 5.0, 5.0) == {}
 
 
+def test_busy_cores_weights_each_lane_by_its_own_cores() -> None:
+    """Engine on 1 core decodes [0, 8] of W = 10 -> 0.8; trainer on 3 cores computes [0, 2]
+    and [6, 8] -> 0.4; busy_cores = (0.8 * 1 + 0.4 * 3) / 4 = 0.5 (while ``busy``, some
+    compute running, is 0.8)."""
+    rows = [
+        ("engine", "decode", 0.0, 8.0),
+        ("trainer", "forward", 0.0, 2.0),
+        ("trainer", "backward", 6.0, 8.0),
+    ]
+    got = spans.busy_idle(rows, 0.0, 10.0, cores={"engine": 1, "trainer": 3})
+    assert got["time/busy_cores"] == pytest.approx(0.5)
+    assert got["time/busy"] == pytest.approx(0.8)
+    assert "time/busy_cores" not in spans.busy_idle(rows, 0.0, 10.0)
+
+
+def test_spans_drained_in_one_process_land_on_the_clock_of_another() -> None:
+    """An engine actor's recorder drains wall-clock spans; the trainer's merges them onto its
+    own perf_counter clock (same machine: within a millisecond), with a new lane."""
+    actor = spans.SpanRecorder(None, max_pending=3)
+    t = time.perf_counter()
+    for i in range(5):  # the two oldest fall off at max_pending=3
+        actor.add("engine", "decode", t + i, t + i + 0.5, rows=i)
+    drained = actor.drain()
+    assert [r["rows"] for r in drained] == [2, 3, 4]
+    assert abs(drained[0]["start"] - (time.time() + 2.0)) < 0.05
+    assert actor.drain() == [] and actor.window(t - 1, t + 10) == []
+    trainer = spans.SpanRecorder(None)
+    trainer.merge(drained, lane="engine1")
+    got = trainer.window(t, t + 10)
+    assert [(lane, name) for lane, name, _, _ in got] == [("engine1", "decode")] * 3
+    assert got[0][2] == pytest.approx(t + 2.0, abs=1e-3) and got[0][3] == pytest.approx(
+        t + 2.5, abs=1e-3
+    )
+
+
 def test_a_timed_lock_records_the_wait_of_the_one_that_waited() -> None:
     rec = spans.record_to(None)
     try:

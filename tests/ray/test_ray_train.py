@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from areal_agents import spans
 from trainer.config import load_config
 
 
@@ -64,6 +65,18 @@ def test_scheduler_ray_trains_with_rollouts_on_ray_workers(cluster, tiny_model_d
     assert trainer.state.episodes_consumed == 8
     assert (tmp_path / "run" / "final" / "config.json").exists()
     assert summary["version"] == 1.0
+    # The engine actor's spans reach the run's spans.jsonl and the busy metrics, on the
+    # trainer's clock: each decode lies inside the run's time.
+    _, rows_s = spans.read(tmp_path / "run" / "spans.jsonl")
+    decodes = [r for r in rows_s if r["lane"] == "engine" and r["name"] == "decode"]
+    assert decodes and any(r["lane"] == "trainer" and r["name"] == "backward" for r in rows_s)
+    last = max(r["end"] for r in rows_s)
+    assert all(0 <= r["start"] < r["end"] <= last + 1e-3 for r in decodes)
+    for r in rows:
+        assert r["time/busy_engine"] > 0 and r["time/busy_trainer"] > 0
+        assert r["time/busy_cores"] == pytest.approx(
+            (r["time/busy_engine"] + r["time/busy_trainer"]) / 2
+        )
 
 
 def _dist_ranks():
