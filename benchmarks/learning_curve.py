@@ -15,8 +15,10 @@ elapsed_s``, warm start included); evaluation time is not part of it.
     python benchmarks/learning_curve.py runs/calc-s0 runs/calc-s1 --episodes 128 \\
         --png benchmarks/learning_curve.png
 
-Reports are cached in ``step-N/eval/`` with the request that made them (env kwargs, problems,
-seed, limits); a rerun only evaluates checkpoints whose request differs or is new.
+Reports are cached in ``step-N/eval/`` (``eval-seedS/`` for ``--seed S`` other than 0) with
+the request that made them (env kwargs, problems, seed, limits); a rerun only evaluates
+checkpoints whose request differs or is new. ``--ends`` evaluates step 0 and the last
+checkpoint only (a second evaluation seed needs no curve).
 Prints one markdown table row per checkpoint and, per run, the gain of the last checkpoint
 over step 0.
 """
@@ -81,7 +83,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """The checkpoint's eval report, from ``step-N/eval/`` when it was made by the same
     request (``request.json``), else from a fresh ``areal-agent eval``."""
-    out = ckpt / "eval"
+    out = ckpt / ("eval" if seed == 0 else f"eval-seed{seed}")  # one cache per task seed
     cached, recorded = out / "report.json", out / "request.json"
     request = eval_request(run, episodes, seed, overrides)
     if cached.exists() and recorded.exists() and json.loads(recorded.read_text()) == request:
@@ -111,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--png", type=Path, default=None, help="write the plot here")
     ap.add_argument(
+        "--ends", action="store_true", help="only step 0 and the last checkpoint of each run"
+    )
+    ap.add_argument(
         "--env-kwargs",
         type=json.loads,
         default={},
@@ -124,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for run in args.runs:
         points = []
-        for ckpt in checkpoints(run):
+        found = checkpoints(run)
+        for ckpt in [found[0], found[-1]] if args.ends and len(found) > 1 else found:
             state = json.loads((ckpt / "state.json").read_text())
             report = evaluate(
                 run, ckpt, args.episodes, args.seed, args.concurrency, args.env_kwargs

@@ -171,9 +171,14 @@ def test_learning_curve_reuses_a_report_only_for_the_same_request(tmp_path, monk
     assert curve.evaluate(run, ckpt, 8, 0, 4, None)["success_rate"] == 0.8
     assert curve.evaluate(run, ckpt, 8, 1, 4, None)["success_rate"] == 0.8
     assert len(calls) == 3
+    assert calls[2][calls[2].index("--out") + 1] == str(ckpt / "eval-seed1")
+    # Each task seed keeps its own report: both are served again without an eval.
+    curve.evaluate(run, ckpt, 8, 0, 4, None)
+    curve.evaluate(run, ckpt, 8, 1, 4, None)
+    assert len(calls) == 3
     # A report without the request that made it (an older cache) is not trusted.
     (ckpt / "eval" / "request.json").unlink()
-    curve.evaluate(run, ckpt, 8, 1, 4, None)
+    curve.evaluate(run, ckpt, 8, 0, 4, None)
     assert len(calls) == 4
 
 
