@@ -275,7 +275,15 @@ def _uses_ray(args: argparse.Namespace) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a positional list at the first flag: `train --config F a=1 --quiet b=2`
+    # leaves b=2 over. Overrides on either side of a flag are all overrides.
+    takes = getattr(args, "overrides", None) is not None
+    if extra and takes and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides, extra = [*args.overrides, *extra], []
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except ArealError as exc:

@@ -40,6 +40,15 @@ def test_train_dry_run_prints_resolved_config_and_bad_keys_name_the_fix():
     # the memory estimate per rank, from the model's config alone
     assert "# estimated training memory per rank:" in out.stdout
     assert "per rank: params" in out.stdout and "total" in out.stdout.splitlines()[-1]
+    # Overrides on both sides of a flag all apply; a stray word is still refused.
+    split = cli(
+        "train", "--config", "examples/agents/quickstart.yaml", "rollout.group_size=6",
+        "--dry-run", "train.steps=3",
+    )  # fmt: skip
+    assert split.returncode == 0, split.stderr
+    assert "group_size: 6" in split.stdout and "steps: 3" in split.stdout
+    stray = cli("train", "--config", "examples/agents/quickstart.yaml", "--dry-run", "oops")
+    assert stray.returncode == 2 and "override 'oops': expected key=value" in stray.stderr
     bad = cli("train", "env.id=areal/Calculator-v0", "rollout.group_sise=4", "optim.lr=-1")
     assert bad.returncode == 2
     assert "did you mean 'rollout.group_size'" in bad.stderr
