@@ -7,8 +7,10 @@ Lanes, top to bottom: the engine's decode and prefill (re-prefills after a weigh
 their own colour) and its weight updates; the trainer's logprob passes, forward, backward
 and optimizer; the weight sync; waits for the compute lock, the staleness gate and a
 group's slowest episode; and the number of episodes in flight. Below the lanes, the busy
-share of each 10 s bin (some compute running). The title gives the busy share of the whole
-drawn window. Writes ``RUN_DIR/timeline.png`` by default and prints a summary.
+share of each 10 s bin: some compute running, or, when the run's config put the engine and
+the trainer on cores of their own (``rollout.engine_cpus``, ``train.cpus``), the share of
+those cores' time spent computing (``time/busy_cores``). The title gives the same for the
+whole drawn window. Writes ``RUN_DIR/timeline.png`` by default and prints a summary.
 """
 
 from __future__ import annotations
@@ -59,6 +61,22 @@ def in_flight(episodes: list[dict[str, Any]]) -> tuple[list[float], list[int]]:
     return xs, ys
 
 
+def lane_cores(run_dir: Path) -> dict[str, int] | None:
+    """``{"engine": n, "trainer": m}`` when the run's ``config.yaml`` pinned both sides to
+    cores of their own, else None (one process sharing the cores)."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return None
+    cfg = yaml.safe_load(path.read_text()) or {}
+    engine = (cfg.get("rollout") or {}).get("engine_cpus")
+    trainer = (cfg.get("train") or {}).get("cpus")
+    if not engine or not trainer:
+        return None
+    return {"engine": len(engine), "trainer": len(trainer)}
+
+
 def draw(run_dir: Path, png: Path, start: float | None, end: float | None) -> dict[str, Any]:
     import matplotlib
 
@@ -72,7 +90,9 @@ def draw(run_dir: Path, png: Path, start: float | None, end: float | None) -> di
     hi = max(r["end"] for r in rows) if end is None else end
     rows = [r for r in rows if r["end"] > lo and r["start"] < hi]
     tuples = [(r["lane"], r["name"], r["start"], r["end"]) for r in rows]
-    summary = sp.busy_idle(tuples, lo, hi)
+    cores = lane_cores(run_dir)
+    share = "time/busy_cores" if cores else "time/busy"
+    summary = sp.busy_idle(tuples, lo, hi, cores=cores)
 
     fig, (ax, ax_ep, ax_busy) = plt.subplots(
         3, 1, figsize=(14, 7.5), sharex=True, gridspec_kw={"height_ratios": [5, 1.4, 1.2]}
@@ -91,9 +111,10 @@ def draw(run_dir: Path, png: Path, start: float | None, end: float | None) -> di
     ax.invert_yaxis()
     ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, framealpha=0.8)
     ax.grid(axis="x", alpha=0.3)
-    busy = summary.get("time/busy", 0.0)
+    busy = summary.get(share, 0.0)
+    what = "cores busy" if cores else "busy"
     ax.set_title(
-        f"{run_dir.name}: {hi - lo:.0f} s, busy {busy:.0%} "
+        f"{run_dir.name}: {hi - lo:.0f} s, {what} {busy:.0%} "
         f"(engine {summary.get('time/busy_engine', 0.0):.0%}, "
         f"trainer {summary.get('time/busy_trainer', 0.0):.0%}), "
         f"idle {summary.get('time/idle_s', 0.0):.0f} s"
@@ -110,11 +131,11 @@ def draw(run_dir: Path, png: Path, start: float | None, end: float | None) -> di
     while t < hi:
         u = min(t + width, hi)
         bins.append(t)
-        shares.append(sp.busy_idle(tuples, t, u).get("time/busy", 0.0) * 100)
+        shares.append(sp.busy_idle(tuples, t, u, cores=cores).get(share, 0.0) * 100)
         t = u
     ax_busy.bar(bins, shares, width=width, align="edge", color="#2e6bd1", alpha=0.7)
     ax_busy.set_ylim(0, 100)
-    ax_busy.set_ylabel(f"busy %\n({width:g} s bins)", fontsize=8)
+    ax_busy.set_ylabel(f"{what} %\n({width:g} s bins)", fontsize=8)
     ax_busy.set_xlabel("seconds since the run started")
     ax_busy.grid(alpha=0.3)
     ax_busy.set_xlim(lo, hi)

@@ -228,3 +228,33 @@ def test_a_training_run_writes_its_spans_and_time_metrics(tiny_model_dir, tmp_pa
     printed = dict(line.split() for line in done.stdout.splitlines()[1:])
     whole = spans.busy_idle(window, min(r["start"] for r in rows), max(r["end"] for r in rows))
     assert float(printed["time/busy"]) == pytest.approx(whole["time/busy"], abs=1e-3)
+
+
+def test_the_timeline_of_a_pinned_run_gives_the_cores_busy_share(tmp_path: Path) -> None:
+    """A run whose config put the engine and the trainer on a core each: the timeline prints
+    ``time/busy_cores`` by hand. Window [0, 10]: engine decode [0, 9] (0.9), trainer forward
+    [0, 4] + backward [4, 7] (0.7): cores busy (0.9 + 0.7) / 2 = 0.8, some compute 0.9."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("rollout: {engine_cpus: [0]}\ntrain: {cpus: [1]}\n")
+    rec = spans.SpanRecorder(run / "spans.jsonl")
+    t = rec.t0
+    for lane, name, a, b in [
+        ("engine", "decode", 0.0, 9.0),
+        ("trainer", "forward", 0.0, 4.0),
+        ("trainer", "backward", 4.0, 7.0),
+        ("trainer", "weight_sync", 9.5, 10.0),
+    ]:
+        rec.add(lane, name, t + a, t + b)
+    rec.flush()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "timeline.py"), str(run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    printed = dict(line.split() for line in done.stdout.splitlines()[1:])
+    assert float(printed["time/busy_cores"]) == pytest.approx(0.8, abs=1e-3)
+    assert float(printed["time/busy"]) == pytest.approx(0.9, abs=1e-3)
+    assert (run / "timeline.png").read_bytes()[:4] == b"\x89PNG"
