@@ -461,6 +461,13 @@ class RunConfig(_Checked):
     weights reach the engine once per step, so policy versions still count steps. With
     ``loss.proximal=recompute`` every mini-batch is clipped against the policy before the
     step; with ``loglinear`` the later ones interpolate towards the already updated policy."""
+    epochs: int = 1
+    """Passes over each step's batch: every pass runs its ``minibatches`` updates again on
+    the same episodes (PPO's epochs), so a step takes ``epochs * minibatches`` optimizer
+    steps and still one policy version. More training per generated episode: with the engine
+    and the trainer on cores of their own, it fills the trainer's wait for the next batch.
+    The clip keeps the later passes near the proximal policy (exactly the policy before the
+    step with ``loss.proximal=recompute``; ``loglinear`` interpolates towards the updated one)."""
     steps: int = 200
     """Training steps (policy versions) to run."""
     seed: int = 0
@@ -517,6 +524,7 @@ class RunConfig(_Checked):
             ("cpus", _cores_ok(self.cpus), "a non-empty list of distinct core numbers >= 0"),
             ("micro_batch_tokens", self.micro_batch_tokens >= 1, ">= 1"),
             ("minibatches", self.minibatches >= 1, ">= 1 (1 = one update per step)"),
+            ("epochs", self.epochs >= 1, ">= 1 (1 = one pass over each batch)"),
             ("steps", self.steps >= 1, ">= 1"),
             ("save_every", self.save_every >= 0, ">= 0 (0 = only at the end)"),
             (

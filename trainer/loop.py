@@ -649,29 +649,33 @@ def policy_updates(
     records: list[SampleTokens] | None = None,
 ) -> dict[str, float]:
     """One optimizer step per mini-batch of ``batch`` (``train.minibatches``, see
-    ``split_batch``). Their stats add up (token-weighted sums, micro-batches), except the
-    losses and the gradient norm: the mean over the mini-batches. With ``records`` (a list),
-    the losses record (``BatchLoss(record=True)``) and the list gets every sample's record,
-    as its mini-batch trained it."""
+    ``split_batch``), the mini-batches in order ``train.epochs`` times (PPO's epochs: mini-batch
+    ``j`` of pass ``e`` is update ``e * minibatches + j``). Their stats add up (token-weighted
+    sums, micro-batches), except the losses and the gradient norm: the mean over the updates.
+    With ``records`` (a list), the losses record (``BatchLoss(record=True)``) and the list
+    gets every sample's record, as the first pass trained it."""
     parts = split_batch(batch, cfg.train.minibatches, spec, cfg.sampling.max_new_tokens)
+    # One loss per mini-batch for all passes: its records keep the first pass's values.
+    losses = [make_loss_fn(mb, spec, cfg, version, record=records is not None) for mb in parts]
     totals: dict[str, float] = {}
-    for mb in parts:
-        loss_fn = make_loss_fn(mb, spec, cfg, version, record=records is not None)
-        out = policy.train_step(
-            mb.seqs,
-            loss_fn,
-            mb.temps or cfg.sampling.temperature,
-            cfg.train.micro_batch_tokens,
-            mb.mask,
-            spec.loss.entropy_coef > 0,
-        )
-        if records is not None:
+    for _ in range(cfg.train.epochs):
+        for mb, loss_fn in zip(parts, losses, strict=True):
+            out = policy.train_step(
+                mb.seqs,
+                loss_fn,
+                mb.temps or cfg.sampling.temperature,
+                cfg.train.micro_batch_tokens,
+                mb.mask,
+                spec.loss.entropy_coef > 0,
+            )
+            for k, v in out.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+    if records is not None:
+        for loss_fn in losses:
             records.extend(loss_fn.records[i] for i in sorted(loss_fn.records))
-        for k, v in out.items():
-            totals[k] = totals.get(k, 0.0) + float(v)
     for k in (*ADDITIVE_STATS, "grad_norm"):
         if k in totals:
-            totals[k] /= len(parts)
+            totals[k] /= len(parts) * cfg.train.epochs
     policy.step_schedule()  # once per training step: every mini-batch used the same rate
     return totals
 

@@ -357,6 +357,51 @@ def test_minibatches_take_one_optimizer_step_each(tiny_model_dir):
         load_config(None, ["env.id=x", "train.minibatches=0"])
 
 
+def test_epochs_repeat_the_minibatches_in_order_and_record_the_first_pass(tiny_model_dir):
+    """train.epochs=2 with two mini-batches: updates h0, h1, h0, h1 (four optimizer steps,
+    one policy version), stats the mean over the four, and each sample's record as the
+    first pass (the same as a one-pass step from the same weights) trained it."""
+    args = [
+        "env.id=areal/Calculator-v0",
+        "algorithm=dapo",
+        "train.minibatches=2",
+        "train.micro_batch_tokens=64",
+        "sampling.max_new_tokens=16",
+        "loss.proximal=loglinear",
+    ]
+    cfg = load_config(None, [*args, "train.epochs=2"])
+    spec = _algorithm(cfg)
+    policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    batch, _ = build_batch(_episodes(policy, n_groups=2), spec, 1.0, 16)
+    halves = split_batch(batch, 2, spec, 16)
+    manual = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    by_hand = [
+        manual.train_step(h.seqs, make_loss_fn(h, spec, cfg, 0), 1.0, 64)
+        for h in (*halves, *halves)
+    ]
+    one_pass = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    first: list = []
+    policy_updates(one_pass, batch, spec, load_config(None, args), 0, first)
+    records: list = []
+    stats = policy_updates(policy, batch, spec, cfg, 0, records)
+    steps = {int(s["step"]) for s in policy.optimizer.state_dict()["state"].values()}
+    assert steps == {4}, "two passes over two mini-batches: four optimizer steps"
+    for key in ("loss", "grad_norm"):
+        assert stats[key] == pytest.approx(sum(o[key] for o in by_hand) / 4, rel=1e-4)
+    assert stats["tokens"] == pytest.approx(2 * float(sum(m.sum() for m in batch.mask)))
+    for p, q in zip(policy.params, manual.params, strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
+    assert not all(
+        torch.allclose(p, q, atol=1e-6) for p, q in zip(policy.params, one_pass.params, strict=True)
+    ), "the second pass moved the weights further"
+    assert len(records) == len(first) == len(batch.seqs)
+    for r, f in zip(records, first, strict=True):
+        assert r.session_id == f.session_id
+        assert torch.allclose(r.values, f.values, atol=1e-6)
+    with pytest.raises(ValueError, match="epochs"):
+        load_config(None, ["env.id=x", "train.epochs=0"])
+
+
 def test_probe_size_is_checked_and_only_for_dynamic_sampling():
     from trainer.config import DYNAMIC_SAMPLING_ALGORITHMS
 
