@@ -32,7 +32,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +261,17 @@ def intersect(xs: list[Interval], ys: list[Interval]) -> list[Interval]:
 
 def length(xs: Iterable[Interval]) -> float:
     return sum(b - a for a, b in xs)
+
+
+def pinned_lane_cores(
+    engine_cpus: Sequence[int] | None, trainer_cpus: Sequence[int] | None
+) -> dict[str, int] | None:
+    """The ``cores`` argument of :func:`busy_idle` for a run whose engine and trainer each
+    have cores of their own (``rollout.engine_cpus``, ``train.cpus``): ``{"engine": n,
+    "trainer": m}``; None unless both are pinned (they share the cores)."""
+    if not engine_cpus or not trainer_cpus:
+        return None
+    return {"engine": len(engine_cpus), "trainer": len(trainer_cpus)}
 
 
 def busy_idle(

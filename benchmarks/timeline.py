@@ -71,10 +71,7 @@ def lane_cores(run_dir: Path) -> dict[str, int] | None:
         return None
     cfg = yaml.safe_load(path.read_text()) or {}
     engine = (cfg.get("rollout") or {}).get("engine_cpus")
-    trainer = (cfg.get("train") or {}).get("cpus")
-    if not engine or not trainer:
-        return None
-    return {"engine": len(engine), "trainer": len(trainer)}
+    return sp.pinned_lane_cores(engine, (cfg.get("train") or {}).get("cpus"))
 
 
 def draw(run_dir: Path, png: Path, start: float | None, end: float | None) -> dict[str, Any]:

@@ -163,12 +163,7 @@ class Trainer:
         self.engine, self.source = rollout.engine, rollout.source
         if cfg.train.cpus is not None and cfg.scheduler != "ray":
             pin_to_cpus(cfg.train.cpus, "train.cpus")
-        self._lane_cores: dict[str, int] | None = None  # the cores each lane has to itself
-        if cfg.rollout.engine_cpus is not None and cfg.train.cpus is not None:
-            self._lane_cores = {
-                "engine": len(cfg.rollout.engine_cpus),
-                "trainer": len(cfg.train.cpus),
-            }
+        self._lane_cores = spans.pinned_lane_cores(cfg.rollout.engine_cpus, cfg.train.cpus)
         self.make_env = self.source.make_env
         self.seed_base = self.source.settings.seed_base
         self.held_out = HeldOut(cfg, self.out)  # a bad eval section fails here

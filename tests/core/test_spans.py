@@ -157,6 +157,18 @@ def test_nothing_is_recorded_when_no_recorder_runs() -> None:
     assert spans.current().window(-1e9, 1e9) == []
 
 
+def _timeline(run: Path) -> dict[str, str]:
+    """Run ``benchmarks/timeline.py RUN`` (it writes RUN/timeline.png); its printed summary."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "timeline.py"), str(run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return dict(line.split() for line in done.stdout.splitlines()[1:])
+
+
 def test_a_training_run_writes_its_spans_and_time_metrics(tiny_model_dir, tmp_path) -> None:
     """Two GRPO steps on the tiny model: spans.jsonl has the engine's prefill and decode, the
     trainer's forward, backward and optimizer, the weight syncs and one span per episode;
@@ -219,16 +231,9 @@ def test_a_training_run_writes_its_spans_and_time_metrics(tiny_model_dir, tmp_pa
     assert metrics[1]["time/busy"] == pytest.approx(again["time/busy"], abs=0.02)
 
     # the timeline of the run: a PNG, and the busy share of the whole run printed
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "timeline.py"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    printed = _timeline(out)
     png = (out / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
-    printed = dict(line.split() for line in done.stdout.splitlines()[1:])
     whole = spans.busy_idle(window, min(r["start"] for r in rows), max(r["end"] for r in rows))
     assert float(printed["time/busy"]) == pytest.approx(whole["time/busy"], abs=1e-3)
 
@@ -250,14 +255,7 @@ def test_the_timeline_of_a_pinned_run_gives_the_cores_busy_share(tmp_path: Path)
     ]:
         rec.add(lane, name, t + a, t + b)
     rec.flush()
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "timeline.py"), str(run)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    printed = dict(line.split() for line in done.stdout.splitlines()[1:])
+    printed = _timeline(run)
     assert float(printed["time/busy_cores"]) == pytest.approx(0.8, abs=1e-3)
     assert float(printed["time/busy"]) == pytest.approx(0.9, abs=1e-3)
     assert (run / "timeline.png").read_bytes()[:4] == b"\x89PNG"

@@ -326,19 +326,20 @@ def test_a_minibatch_of_whole_groups_is_that_groups_own_batch(policy, name):
         split_batch(full, 0, spec, 16)
 
 
+TWO_MINIBATCHES = [
+    "env.id=areal/Calculator-v0",
+    "algorithm=dapo",
+    "train.minibatches=2",
+    "train.micro_batch_tokens=64",
+    "sampling.max_new_tokens=16",
+    "loss.proximal=loglinear",
+]
+"""DAPO in two mini-batches of tiny micro-batches, for the mini-batch and epoch tests."""
+
+
 def test_minibatches_take_one_optimizer_step_each(tiny_model_dir):
     policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
-    cfg = load_config(
-        None,
-        [
-            "env.id=areal/Calculator-v0",
-            "algorithm=dapo",
-            "train.minibatches=2",
-            "train.micro_batch_tokens=64",
-            "sampling.max_new_tokens=16",
-            "loss.proximal=loglinear",
-        ],
-    )
+    cfg = load_config(None, TWO_MINIBATCHES)
     spec = _algorithm(cfg)
     batch, _ = build_batch(_episodes(policy, n_groups=2), spec, 1.0, 16)
     halves = split_batch(batch, 2, spec, 16)
@@ -361,15 +362,7 @@ def test_epochs_repeat_the_minibatches_in_order_and_record_the_first_pass(tiny_m
     """train.epochs=2 with two mini-batches: updates h0, h1, h0, h1 (four optimizer steps,
     one policy version), stats the mean over the four, and each sample's record as the
     first pass (the same as a one-pass step from the same weights) trained it."""
-    args = [
-        "env.id=areal/Calculator-v0",
-        "algorithm=dapo",
-        "train.minibatches=2",
-        "train.micro_batch_tokens=64",
-        "sampling.max_new_tokens=16",
-        "loss.proximal=loglinear",
-    ]
-    cfg = load_config(None, [*args, "train.epochs=2"])
+    cfg = load_config(None, [*TWO_MINIBATCHES, "train.epochs=2"])
     spec = _algorithm(cfg)
     policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
     batch, _ = build_batch(_episodes(policy, n_groups=2), spec, 1.0, 16)
@@ -381,7 +374,7 @@ def test_epochs_repeat_the_minibatches_in_order_and_record_the_first_pass(tiny_m
     ]
     one_pass = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
     first: list = []
-    policy_updates(one_pass, batch, spec, load_config(None, args), 0, first)
+    policy_updates(one_pass, batch, spec, load_config(None, TWO_MINIBATCHES), 0, first)
     records: list = []
     stats = policy_updates(policy, batch, spec, cfg, 0, records)
     steps = {int(s["step"]) for s in policy.optimizer.state_dict()["state"].values()}
