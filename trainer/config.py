@@ -468,6 +468,16 @@ class RunConfig(_Checked):
     and the trainer on cores of their own, it fills the trainer's wait for the next batch.
     The clip keeps the later passes near the proximal policy (exactly the policy before the
     step with ``loss.proximal=recompute``; ``loglinear`` interpolates towards the updated one)."""
+    fill_passes: int = 0
+    """Further passes over the last batch, made only while the next one is not complete: the
+    trainer's wait for the engine filled with more training per generated episode. After a
+    step's weights reach the engine, the trainer runs the step's mini-batch updates again, one
+    update at a time, until the next batch is in or ``fill_passes`` more passes are done, so it
+    never holds the rollouts back by more than one update. The updates belong to the next
+    policy version (the engine gets them with the next step's weights); the clip keeps them
+    near the batch's proximal policy as with ``epochs``. Each step's metrics count them
+    (``fill_updates``, ``fill_s``). For a trainer with cores (or a device) of its own: with
+    the engine on the same CPU cores they take turns with its decoding. 0 = off."""
     steps: int = 200
     """Training steps (policy versions) to run."""
     seed: int = 0
@@ -525,6 +535,7 @@ class RunConfig(_Checked):
             ("micro_batch_tokens", self.micro_batch_tokens >= 1, ">= 1"),
             ("minibatches", self.minibatches >= 1, ">= 1 (1 = one update per step)"),
             ("epochs", self.epochs >= 1, ">= 1 (1 = one pass over each batch)"),
+            ("fill_passes", self.fill_passes >= 0, ">= 0 (0 = off)"),
             ("steps", self.steps >= 1, ">= 1"),
             ("save_every", self.save_every >= 0, ">= 0 (0 = only at the end)"),
             (

@@ -133,6 +133,7 @@ class Trainer:
             )
         self.out.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, self.out / "config.yaml")
+        self._fills: list[Update] = []  # the last batch's updates still to repeat (fill_passes)
         self.state = RunState()
         self._engine_last: tuple[float, float, float] | None = None  # time, tokens, steps
 
@@ -365,9 +366,10 @@ class Trainer:
             await self._start()
             while st.step < cfg.train.steps:
                 t0 = time.perf_counter()
-                groups = await source.next_batch(cfg.rollout.batch_size)
-                t_wait = time.perf_counter() - t0
+                groups, fill = await self._next_batch()
+                t_wait = time.perf_counter() - t0 - fill["fill_s"]
                 summary = await self._train_step(groups, st.step, t_wait, source.dropped)
+                summary.update(fill)
                 await self._publish(groups, summary, metrics)
                 recent.append(time.perf_counter() - t0)
                 stop = self._out_of_time(recent)
@@ -396,6 +398,20 @@ class Trainer:
         final = self.policy.export(self.out / "final", self.model_path, merge_lora=True)
         summary["final_model"] = str(final)
         return summary
+
+    async def _next_batch(self) -> tuple[list[Group], dict[str, float]]:
+        """The next batch; while it is not complete, the last batch's updates again
+        (``train.fill_passes``), one at a time. Returns it with how many updates filled the
+        wait and how long they took."""
+        n, done, t0 = self.cfg.rollout.batch_size, 0, time.perf_counter()
+        while self._fills and not self.source.ready(n):
+            update = self._fills.pop(0)
+            await asyncio.to_thread(apply_update, self.policy, update, self.spec, self.cfg)
+            done += 1
+        t_fill = time.perf_counter() - t0
+        self._fills = []  # the next batch is in: its own updates replace these
+        groups = await self.source.next_batch(n)
+        return groups, {"fill_updates": float(done), "fill_s": t_fill}
 
     async def _publish(
         self, groups: list[Group], scalars: dict[str, Any], metrics: MetricsWriter
@@ -446,6 +462,7 @@ class Trainer:
             lrs["optim/critic_lr"] = self.critic.lr
         store = getattr(self.source, "store", None)  # None: the step's tokens go nowhere
         records: list[SampleTokens] | None = None if store is None else []
+        updates: list[Update] = []
         stats = await asyncio.to_thread(
             train_on_batch,
             self.policy,
@@ -456,7 +473,9 @@ class Trainer:
             cfg,
             version,
             records,
+            updates,
         )
+        self._fills = updates * cfg.train.fill_passes  # to repeat while the next batch comes
         t_train = time.perf_counter() - t0
         if records is not None:
             await asyncio.to_thread(record_train_tokens, store, records, version)
@@ -612,12 +631,14 @@ def train_on_batch(
     cfg: TrainConfig,
     version: int,
     records: list[SampleTokens] | None = None,
+    keep: list[Update] | None = None,
 ) -> dict[str, float]:
     """One training step on ``batch``: the proximal logprobs (``loss.proximal=recompute``),
     the reference logprobs (a KL penalty), the critic's values and GAE (PPO), the policy's
     updates (:func:`policy_updates`), then the critic's. Returns their summed stats;
     ``bstats`` gets the GAE metrics and the value loss. ``records`` (a list) gets the
-    per-token record of every sample (see :func:`policy_updates`)."""
+    per-token record of every sample, ``keep`` (a list) the updates (see
+    :func:`policy_updates`)."""
     temp = batch.temps  # each token at the temperature it was sampled with
     mbt = cfg.train.micro_batch_tokens
     if cfg.loss.proximal == "recompute":
@@ -626,7 +647,7 @@ def train_on_batch(
         batch.ref = policy.ref_logprobs(batch.seqs, temp, mbt, batch.mask)
     if critic is not None:
         bstats.update(add_gae(batch, critic.values(batch.seqs, mbt), spec))
-    stats = policy_updates(policy, batch, spec, cfg, version, records)
+    stats = policy_updates(policy, batch, spec, cfg, version, records, keep)
     if critic is not None:
         vstats = critic.train_step(batch.seqs, make_value_loss_fn(batch, spec), mbt)
         stats.update(vstats)
@@ -642,29 +663,28 @@ def policy_updates(
     cfg: TrainConfig,
     version: int,
     records: list[SampleTokens] | None = None,
+    keep: list[Update] | None = None,
 ) -> dict[str, float]:
     """One optimizer step per mini-batch of ``batch`` (``train.minibatches``, see
     ``split_batch``), the mini-batches in order ``train.epochs`` times (PPO's epochs: mini-batch
     ``j`` of pass ``e`` is update ``e * minibatches + j``). Their stats add up (token-weighted
     sums, micro-batches), except the losses and the gradient norm: the mean over the updates.
     With ``records`` (a list), the losses record (``BatchLoss(record=True)``) and the list
-    gets every sample's record, as the first pass trained it."""
+    gets every sample's record, as the first pass trained it. ``keep`` (a list) gets one
+    pass's updates in order, to run again with :func:`apply_update` (``train.fill_passes``)."""
     parts = split_batch(batch, cfg.train.minibatches, spec, cfg.sampling.max_new_tokens)
     # One loss per mini-batch for all passes: its records keep the first pass's values.
-    losses = [make_loss_fn(mb, spec, cfg, version, record=records is not None) for mb in parts]
+    updates = [
+        Update(mb, make_loss_fn(mb, spec, cfg, version, record=records is not None)) for mb in parts
+    ]
     totals: dict[str, float] = {}
     for _ in range(cfg.train.epochs):
-        for mb, loss_fn in zip(parts, losses, strict=True):
-            out = policy.train_step(
-                mb.seqs,
-                loss_fn,
-                mb.temps or cfg.sampling.temperature,
-                cfg.train.micro_batch_tokens,
-                mb.mask,
-                spec.loss.entropy_coef > 0,
-            )
-            for k, v in out.items():
+        for update in updates:
+            for k, v in apply_update(policy, update, spec, cfg).items():
                 totals[k] = totals.get(k, 0.0) + float(v)
+    if keep is not None:
+        keep.extend(updates)
+    losses = [u.loss_fn for u in updates]
     if records is not None:
         for loss_fn in losses:
             records.extend(loss_fn.records[i] for i in sorted(loss_fn.records))
@@ -673,6 +693,27 @@ def policy_updates(
             totals[k] /= len(parts) * cfg.train.epochs
     policy.step_schedule()  # once per training step: every mini-batch used the same rate
     return totals
+
+
+@dataclasses.dataclass
+class Update:
+    """One optimizer step's inputs: a mini-batch and its loss."""
+
+    batch: Batch
+    loss_fn: Any
+
+
+def apply_update(policy: Any, update: Update, spec: AlgorithmSpec, cfg: TrainConfig) -> Any:
+    """One optimizer step of ``policy`` on ``update``; returns the step's stats."""
+    mb = update.batch
+    return policy.train_step(
+        mb.seqs,
+        update.loss_fn,
+        mb.temps or cfg.sampling.temperature,
+        cfg.train.micro_batch_tokens,
+        mb.mask,
+        spec.loss.entropy_coef > 0,
+    )
 
 
 def lr_schedule(cfg: TrainConfig) -> LrSchedule:

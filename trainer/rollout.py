@@ -147,6 +147,13 @@ class GroupSource:
         self._failure = asyncio.get_running_loop().create_future()
         self._producer = asyncio.create_task(self._produce())
 
+    def ready(self, n: int) -> bool:
+        """Whether :meth:`next_batch` would return (or raise) without waiting."""
+        if self._queue.qsize() >= n:
+            return True
+        ended = (self._producer, self._failure)
+        return any(f is not None and f.done() for f in ended)
+
     async def next_batch(self, n: int) -> list[Group]:
         """The next ``n`` accepted groups, in the order they finished."""
         if self._producer is None:

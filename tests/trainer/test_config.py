@@ -87,6 +87,7 @@ train:
   share_prefixes: false
   minibatches: 2
   epochs: 2
+  fill_passes: 1
   steps: 40
   seed: 3
   output_dir: runs/tau2
@@ -162,6 +163,7 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
     assert cfg.train.resume is True and cfg.train.output_dir == "runs/tau2"
     assert cfg.train.share_prefixes is False and cfg.train.minibatches == 2
     assert cfg.train.epochs == 2
+    assert cfg.train.fill_passes == 1
     assert (cfg.train.nproc, cfg.train.fsdp, cfg.train.sharded) == (1, False, False)
     assert cfg.train.collective_timeout_s == 300.0
     assert cfg.rollout.probe_size == 2

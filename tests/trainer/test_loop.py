@@ -20,10 +20,12 @@ from areal_agents.errors import ConfigError
 from areal_agents.trajectory import Completion, Episode
 from trainer.algorithms import ALGORITHMS
 from trainer.batch import add_gae, build_batch, make_loss_fn, make_value_loss_fn, split_batch
+from trainer.checkpoint import RunState
 from trainer.config import load_config
 from trainer.critic import Critic
-from trainer.loop import _algorithm, out_of_time_budget, policy_updates
+from trainer.loop import Trainer, _algorithm, out_of_time_budget, policy_updates
 from trainer.policy import Policy, pack
+from trainer.rollout import GroupSource, SourceSettings
 from trainer.staleness import StalenessGate
 
 
@@ -393,6 +395,108 @@ def test_epochs_repeat_the_minibatches_in_order_and_record_the_first_pass(tiny_m
         assert torch.allclose(r.values, f.values, atol=1e-6)
     with pytest.raises(ValueError, match="epochs"):
         load_config(None, ["env.id=x", "train.epochs=0"])
+
+
+class _Arriving(GroupSource):
+    """A source whose batch is complete after ``ready`` said no ``late`` times."""
+
+    def __init__(self, late: int) -> None:
+        super().__init__(SourceSettings(batch_size=1, group_size=2, eta=0), RunState())
+        self.late, self.asked = late, 0
+
+    def ready(self, n: int) -> bool:
+        self.asked += 1
+        return self.asked > self.late
+
+    async def next_batch(self, n: int) -> list:
+        return [("group", [])]
+
+
+@pytest.mark.parametrize(("late", "filled"), [(3, 3), (9, 4), (0, 0)])
+def test_fill_passes_repeat_the_last_batch_only_while_the_next_is_not_in(
+    tiny_model_dir, late, filled
+):
+    """train.fill_passes=2 after a step of two mini-batches (h0, h1): while the next batch is
+    not complete the trainer repeats h0, h1, h0, h1, one update per check, and stops at the
+    first check that finds it complete (late=3: three updates) or when the passes are spent
+    (late=9: four); a batch already in gets none. The weights are those of the same updates
+    made by hand, and no pass is left for the batch after."""
+    cfg = load_config(None, [*TWO_MINIBATCHES, "train.fill_passes=2"])
+    spec = _algorithm(cfg)
+    policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    batch, _ = build_batch(_episodes(policy, n_groups=2), spec, 1.0, 16)
+    manual = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    halves = split_batch(batch, 2, spec, 16)
+    for h in [*halves, *[*halves, *halves][:filled]]:
+        manual.train_step(h.seqs, make_loss_fn(h, spec, cfg, 0), 1.0, 64)
+    kept: list = []
+    policy_updates(policy, batch, spec, cfg, 0, None, kept)
+    assert [u.batch.seqs for u in kept] == [h.seqs for h in halves]
+    trainer = Trainer.__new__(Trainer)  # only what _next_batch reads
+    trainer.cfg, trainer.spec, trainer.policy = cfg, spec, policy
+    trainer.source = _Arriving(late)
+    trainer._fills = kept * cfg.train.fill_passes
+    groups, fill = asyncio.run(trainer._next_batch())
+    assert groups == [("group", [])]
+    assert fill["fill_updates"] == filled and fill["fill_s"] >= 0
+    assert trainer._fills == []
+    steps = {int(s["step"]) for s in policy.optimizer.state_dict()["state"].values()}
+    assert steps == {2 + filled}
+    for p, q in zip(policy.params, manual.params, strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
+    with pytest.raises(ValueError, match="fill_passes"):
+        load_config(None, ["env.id=x", "train.fill_passes=-1"])
+
+
+def test_a_synchronous_run_fills_each_wait_with_updates_of_the_last_batch(tiny_model_dir, tmp_path):
+    """Synchronous (eta=0): when a step's weights are out, the next batch has not started, so
+    every step after the first repeats at least one of the last batch's two updates and at
+    most both (fill_passes=1); the optimizer counts them on top of the steps' own."""
+    out = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            *TWO_MINIBATCHES,
+            "algorithm=grpo",  # keeps the groups whose rewards are all equal (the tiny model's)
+            "env.kwargs={kind: arithmetic}",
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            "rollout.group_size=2",
+            "rollout.batch_size=2",
+            "rollout.max_head_offpolicyness=0",
+            "train.steps=3",
+            "train.fill_passes=1",
+            "metrics.tensorboard=false",
+            f"train.output_dir={out}",
+        ],
+    )
+    trainer = Trainer(cfg, quiet=True)
+    asyncio.run(trainer.run())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    fills = [r["fill_updates"] for r in rows]
+    assert len(fills) == 3 and fills[0] == 0
+    assert all(1 <= f <= 2 for f in fills[1:]), fills
+    assert all(r["fill_s"] >= 0 and r["wait_s"] >= 0 for r in rows)
+    steps = {int(s["step"]) for s in trainer.policy.optimizer.state_dict()["state"].values()}
+    assert steps == {3 * 2 + sum(fills)}
+
+
+def test_a_source_is_ready_when_its_queue_holds_the_batch_or_it_failed():
+    async def check() -> None:
+        src = GroupSource(SourceSettings(batch_size=2, group_size=2, eta=0), RunState())
+        assert not src.ready(2)
+        src._queue.put_nowait(("g0", []))
+        assert src.ready(1) and not src.ready(2)
+        src._queue.put_nowait(("g1", []))
+        assert src.ready(2)
+        empty = GroupSource(SourceSettings(batch_size=2, group_size=2, eta=0), RunState())
+        empty._failure = asyncio.get_running_loop().create_future()
+        assert not empty.ready(1)
+        empty._failure.set_exception(RuntimeError("env could not be made"))
+        assert empty.ready(1), "next_batch raises at once: no pass waits for it"
+        empty._failure.exception()
+
+    asyncio.run(check())
 
 
 def test_probe_size_is_checked_and_only_for_dynamic_sampling():
