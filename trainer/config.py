@@ -471,9 +471,10 @@ class RunConfig(_Checked):
     fill_passes: int = 0
     """Further passes over the last batch, made only while the next one is not complete: the
     trainer's wait for the engine filled with more training per generated episode. After a
-    step's weights reach the engine, the trainer runs the step's mini-batch updates again, one
-    update at a time, until the next batch is in or ``fill_passes`` more passes are done, so it
-    never holds the rollouts back by more than one update. The updates belong to the next
+    step's weights reach the engine, the trainer runs the step's policy updates again (a
+    critic trains once per batch), one update at a time, until the next batch is in or
+    ``fill_passes`` more passes are done, so it never holds the rollouts back by more than one
+    update. The updates belong to the next
     policy version (the engine gets them with the next step's weights); the clip keeps them
     near the batch's proximal policy as with ``epochs``. Each step's metrics count them
     (``fill_updates``, ``fill_s``). For a trainer with cores (or a device) of its own: with

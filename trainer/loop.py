@@ -684,10 +684,9 @@ def policy_updates(
                 totals[k] = totals.get(k, 0.0) + float(v)
     if keep is not None:
         keep.extend(updates)
-    losses = [u.loss_fn for u in updates]
     if records is not None:
-        for loss_fn in losses:
-            records.extend(loss_fn.records[i] for i in sorted(loss_fn.records))
+        for u in updates:
+            records.extend(u.loss_fn.records[i] for i in sorted(u.loss_fn.records))
     for k in (*ADDITIVE_STATS, "grad_norm"):
         if k in totals:
             totals[k] /= len(parts) * cfg.train.epochs
