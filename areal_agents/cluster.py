@@ -162,7 +162,11 @@ class EmbeddedSpec:
     engine's node) applied on top. ``max_context``: the longest prompt + output in tokens
     (None: the model's own limit). ``cpus``: CPU cores the engine's process runs on, with as
     many torch threads (None: wherever the OS puts it). ``kv_on_update``: what a weight
-    update does with requests in flight (``EmbeddedEngine``'s).
+    update does with requests in flight (``EmbeddedEngine``'s). ``idle_priority``: the
+    process runs at the lowest CPU priority (``SCHED_IDLE``), computing only when nothing
+    else on its cores wants them (an extra replica on a trainer's cores:
+    ``rollout.idle_engine_cpus``); its spans are on lane ``engine_idle`` and measured in
+    CPU time.
     """
 
     model: str | None = None
@@ -173,15 +177,24 @@ class EmbeddedSpec:
     max_context: int | None = None
     cpus: tuple[int, ...] | None = None
     kv_on_update: str = "recompute"
+    idle_priority: bool = False
+
+    @property
+    def lane(self) -> str:
+        """The spans lane of an engine built from this spec."""
+        return "engine_idle" if self.idle_priority else "engine"
 
     def __call__(self) -> Engine:
         from .chat import ChatTokenizer
         from .embedded import EmbeddedEngine
-        from .hardware import pin_to_cpus
+        from .hardware import lowest_priority, pin_to_cpus
         from .model import resolve_model
 
+        key = "rollout.idle_engine_cpus" if self.idle_priority else "rollout.engine_cpus"
         if self.cpus is not None:
-            pin_to_cpus(self.cpus, "rollout.engine_cpus")
+            pin_to_cpus(self.cpus, key)
+        if self.idle_priority:
+            lowest_priority(key)
 
         path = resolve_model(self.model, quiet=True)
         decode = ChatTokenizer.from_dir(path).decode
@@ -194,6 +207,7 @@ class EmbeddedSpec:
             max_batch_size=self.max_batch_size,
             max_context=self.max_context,
             kv_on_update=self.kv_on_update,
+            cpu_time_spans=self.idle_priority,
         )
 
     @property
@@ -210,12 +224,17 @@ class EngineHost:
         # The engine's prefill / decode spans, kept here until the trainer takes them
         # (``take_spans``); a client that never does keeps the newest 100k.
         self._spans = spans.record_to(None, max_pending=100_000)
+        self._lane = str(getattr(factory, "lane", "engine"))
         self.engine = factory()
         self._takes_route_key = accepts_route_key(self.engine)
 
     async def take_spans(self) -> list[dict[str, Any]]:
-        """The spans this engine recorded since the last call, on the wall clock."""
-        return self._spans.drain()
+        """The spans this engine recorded since the last call, on the wall clock (its
+        factory's ``lane`` in place of ``engine``)."""
+        rows = self._spans.drain()
+        if self._lane != "engine":
+            rows = [{**r, "lane": self._lane} if r["lane"] == "engine" else r for r in rows]
+        return rows
 
     async def describe(self) -> dict[str, Any]:
         return {
@@ -224,6 +243,8 @@ class EngineHost:
             "version": self.engine.version,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
+            "lane": self._lane,
+            "idle_priority": _idle_priority(),
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         }
 
@@ -248,6 +269,13 @@ class EngineHost:
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+def _idle_priority() -> bool:
+    """Whether this process runs at the idle CPU priority (``SCHED_IDLE``, Linux)."""
+    if not hasattr(os, "sched_getscheduler"):
+        return False
+    return bool(os.sched_getscheduler(0) == getattr(os, "SCHED_IDLE", -1))
 
 
 class RayEngine:
@@ -288,12 +316,16 @@ class RayEngine:
         num_gpus: float | None = None,
         max_restarts: int = 0,
         ready_timeout_s: float = 600.0,
+        extra: Sequence[tuple[Callable[[], Engine], float]] = (),
     ) -> RayEngine:
         """Start ``replicas`` engine actors, each building its engine with ``factory()``.
 
         ``factory`` defaults to ``EmbeddedSpec()`` (the default model). ``num_gpus`` None: one
         GPU per replica when the cluster has GPUs and the factory wants one, else none. Blocks
         until every replica answers (model loading included), at most ``ready_timeout_s``.
+        ``extra``: more replicas, each ``(factory, num_cpus)`` (e.g. one at the idle CPU
+        priority on the trainer's cores, which reserves no CPU: ``num_cpus=0``); they serve
+        and take weight updates like the others.
         """
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -301,15 +333,24 @@ class RayEngine:
         gpus = _engine_gpus(factory, num_gpus)
         check_room("engine", replicas, {"CPU": num_cpus, "GPU": gpus}, "--ray-engines")
         host: Any = ray.remote(EngineHost)
-        options = {"num_cpus": num_cpus, "num_gpus": gpus, "max_restarts": max_restarts}
+        plans = [(factory, num_cpus, gpus)] * replicas
+        plans += [(f, cpus, _engine_gpus(f, num_gpus)) for f, cpus in extra]
         # Named, so that rollout workers find them by name (``find``).
-        names = [f"areal-engine-{uuid.uuid4().hex[:12]}-{i}" for i in range(replicas)]
+        tag = uuid.uuid4().hex[:12]
+        names = [f"areal-engine-{tag}-{i}" for i in range(len(plans))]
         actors = [
-            host.options(name=name, max_task_retries=0, **options).remote(factory) for name in names
+            host.options(
+                name=name,
+                max_task_retries=0,
+                num_cpus=cpus,
+                num_gpus=gpu,
+                max_restarts=max_restarts,
+            ).remote(f)
+            for name, (f, cpus, gpu) in zip(names, plans, strict=True)
         ]
         try:
             infos = wait_ready(
-                [a.describe.remote() for a in actors], "engine host", ready_timeout_s, replicas
+                [a.describe.remote() for a in actors], "engine host", ready_timeout_s, len(plans)
             )
         except BaseException:
             for a in actors:
@@ -322,6 +363,8 @@ class RayEngine:
             "max_context": min(contexts) if contexts else None,
             "nodes": sorted({i["node_id"] for i in infos}),
             "cpus": [i.get("cpus") for i in infos],  # each replica's cores
+            "lanes": [i.get("lane", "engine") for i in infos],  # each replica's spans lane
+            "idle_priority": [bool(i.get("idle_priority")) for i in infos],
             "names": names,
         }
         return cls(actors, info, owner=True)
@@ -384,12 +427,16 @@ class RayEngine:
 
     async def take_spans(self) -> list[dict[str, Any]]:
         """The engine actors' spans since the last call (wall-clock times, for
-        :meth:`areal_agents.spans.SpanRecorder.merge`); with several replicas each one's lane
-        is ``engine<i>``."""
+        :meth:`areal_agents.spans.SpanRecorder.merge`); where replicas share a lane
+        (``engine``), each one's is ``engine<i>``."""
         got = await self._broadcast("take_spans")
-        if len(got) == 1:
-            return list(got[0])
-        return [{**r, "lane": f"{r['lane']}{i}"} for i, rows in enumerate(got) for r in rows]
+        lanes = self.info.get("lanes") or ["engine"] * len(got)
+        shared = {lane for lane in lanes if lanes.count(lane) > 1}
+        return [
+            {**r, "lane": f"{r['lane']}{i}"} if lanes[i] in shared else r
+            for i, rows in enumerate(got)
+            for r in rows
+        ]
 
     async def pause(self) -> None:
         await self._broadcast("pause")

@@ -105,12 +105,34 @@ def pin_to_cpus(cpus: Sequence[int], what: str) -> list[int]:
             f"{count - 1}, this process may run on {sorted(os.sched_getaffinity(0))}); "
             "name cores from that list"
         ) from None
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = []
-    for tid in tids:
+    for tid in _threads():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             os.sched_setaffinity(tid, wanted)
     torch.set_num_threads(len(wanted))
     return wanted
+
+
+def lowest_priority(what: str) -> None:
+    """Run this whole process at the lowest CPU priority Linux has (``SCHED_IDLE``): it
+    gets a core only when nothing else there wants it, and gives it up at once when
+    something does. Every thread it has now is moved; threads started later inherit it.
+    ``what`` names the config key in the error where the OS does not allow it."""
+    if not hasattr(os, "SCHED_IDLE"):
+        raise ConfigError(f"{what}: the idle CPU priority (SCHED_IDLE) needs Linux; remove {what}")
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as exc:
+        raise ConfigError(
+            f"{what}: this process may not take the idle CPU priority ({exc}); remove {what}"
+        ) from None
+    for tid in _threads():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _threads() -> list[int]:
+    """This process's thread ids now (``/proc/self/task``; none where there is no /proc)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return []

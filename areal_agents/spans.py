@@ -264,14 +264,28 @@ def length(xs: Iterable[Interval]) -> float:
 
 
 def pinned_lane_cores(
-    engine_cpus: Sequence[int] | None, trainer_cpus: Sequence[int] | None
-) -> dict[str, int] | None:
+    engine_cpus: Sequence[int] | None,
+    trainer_cpus: Sequence[int] | None,
+    idle_engine_cpus: Sequence[int] | None = None,
+) -> dict[str, int | str] | None:
     """The ``cores`` argument of :func:`busy_idle` for a run whose engine and trainer each
     have cores of their own (``rollout.engine_cpus``, ``train.cpus``): ``{"engine": n,
-    "trainer": m}``; None unless both are pinned (they share the cores)."""
+    "trainer": m}``; None unless both are pinned (they share the cores). An idle-priority
+    engine replica (``rollout.idle_engine_cpus``, lane ``engine_idle``) on the trainer's or
+    the engine's cores computes on that lane's cores (``"engine_idle": "trainer"``), else
+    on cores of its own."""
     if not engine_cpus or not trainer_cpus:
         return None
-    return {"engine": len(engine_cpus), "trainer": len(trainer_cpus)}
+    out: dict[str, int | str] = {"engine": len(engine_cpus), "trainer": len(trainer_cpus)}
+    if idle_engine_cpus:
+        idle = set(idle_engine_cpus)
+        home = [
+            lane
+            for lane, cpus in (("trainer", trainer_cpus), ("engine", engine_cpus))
+            if idle <= set(cpus)
+        ]
+        out["engine_idle"] = home[0] if home else len(idle)
+    return out
 
 
 def busy_idle(
@@ -279,7 +293,7 @@ def busy_idle(
     start: float,
     end: float,
     *,
-    cores: dict[str, int] | None = None,
+    cores: dict[str, int | str] | None = None,
 ) -> dict[str, float]:
     """The busy fractions and idle seconds of the window ``[start, end]`` (see the module
     docstring): ``time/busy``, ``time/busy_<lane>`` per lane that computed, ``time/idle_s``,
@@ -289,7 +303,11 @@ def busy_idle(
     ``cores``: when lanes run on cores of their own (``{"engine": 1, "trainer": 1}``), also
     ``time/busy_cores``, the share of those cores' time spent computing::
 
-        busy_cores = sum_L busy_L * cores_L / sum_L cores_L
+        busy_cores = sum_L |U(busy of L and of the lanes on L's cores)| / W * cores_L
+                     / sum_L cores_L
+
+    where a lane mapped to another lane's name (``{"engine_idle": "trainer"}``) computes on
+    that lane's cores: their busy time counts once where both compute at once.
     """
     wall = end - start
     if wall <= 0:
@@ -311,10 +329,13 @@ def busy_idle(
         cover = union((a, b) for _, n, a, b in clip if n == cause)
         out[f"time/idle_{cause}_s"] = length(intersect(idle, cover))
     if cores:
-        total = sum(cores.values())
-        out["time/busy_cores"] = (
-            sum(length(busy_by_lane.get(lane, [])) * n for lane, n in cores.items()) / wall / total
-        )
+        own = {lane: n for lane, n in cores.items() if isinstance(n, int)}
+        core_seconds = 0.0
+        for lane, n in own.items():
+            guests = [g for g, host in cores.items() if host == lane]
+            spans_on = [i for la in (lane, *guests) for i in busy_by_lane.get(la, [])]
+            core_seconds += length(union(spans_on)) * n
+        out["time/busy_cores"] = core_seconds / wall / sum(own.values())
     out["time/lock_wait_s"] = length(union((a, b) for _, n, a, b in clip if n == "lock_wait"))
     out["time/reprefill_s"] = length(union((a, b) for _, n, a, b in clip if n == "reprefill"))
     return out

@@ -4,7 +4,8 @@ see ``areal_agents/spans.py``).
     python benchmarks/timeline.py RUN_DIR [--png OUT.png] [--start S] [--end S]
 
 Lanes, top to bottom: the engine's decode and prefill (re-prefills after a weight update in
-their own colour) and its weight updates; the trainer's logprob passes, forward, backward
+their own colour) and its weight updates; an idle-priority engine replica's compute
+(``rollout.idle_engine_cpus``); the trainer's logprob passes, forward, backward
 and optimizer; the weight sync; waits for the compute lock, the staleness gate and a
 group's slowest episode; and the number of episodes in flight. Below the lanes, the busy
 share of each 10 s bin: some compute running, or, when the run's config put the engine and
@@ -33,6 +34,14 @@ LANES: list[tuple[str, list[tuple[str, str, str]]]] = [
         [("engine", "prefill", "#7aa7f0"), ("engine", "reprefill", "#d9534f")],
     ),
     ("engine weight update", [("engine", "weight_update", "#8e44ad")]),
+    (  # an idle-priority replica (rollout.idle_engine_cpus), its compute in CPU time
+        "idle-priority engine",
+        [
+            ("engine_idle", "decode", "#5dade2"),
+            ("engine_idle", "prefill", "#aed6f1"),
+            ("engine_idle", "reprefill", "#d9534f"),
+        ],
+    ),
     ("trainer logprobs", [("trainer", "logprobs", "#f0ad4e")]),
     ("trainer forward", [("trainer", "forward", "#e67e22")]),
     ("trainer backward", [("trainer", "backward", "#c0392b")]),
@@ -61,17 +70,22 @@ def in_flight(episodes: list[dict[str, Any]]) -> tuple[list[float], list[int]]:
     return xs, ys
 
 
-def lane_cores(run_dir: Path) -> dict[str, int] | None:
-    """``{"engine": n, "trainer": m}`` when the run's ``config.yaml`` pinned both sides to
-    cores of their own, else None (one process sharing the cores)."""
+def lane_cores(run_dir: Path) -> dict[str, int | str] | None:
+    """``{"engine": n, "trainer": m}`` (and where an idle-priority replica runs) when the
+    run's ``config.yaml`` pinned both sides to cores of their own, else None (one process
+    sharing the cores)."""
     import yaml
 
     path = run_dir / "config.yaml"
     if not path.exists():
         return None
     cfg = yaml.safe_load(path.read_text()) or {}
-    engine = (cfg.get("rollout") or {}).get("engine_cpus")
-    return sp.pinned_lane_cores(engine, (cfg.get("train") or {}).get("cpus"))
+    rollout = cfg.get("rollout") or {}
+    return sp.pinned_lane_cores(
+        rollout.get("engine_cpus"),
+        (cfg.get("train") or {}).get("cpus"),
+        rollout.get("idle_engine_cpus"),
+    )
 
 
 def draw(run_dir: Path, png: Path, start: float | None, end: float | None) -> dict[str, Any]:

@@ -295,6 +295,14 @@ class RolloutConfig(_Checked):
     only: the engine is then a process of its own); None = wherever Ray puts it. Beside
     ``train.cpus`` on other cores, a disaggregated layout: inference and training never
     take turns on a core."""
+    idle_engine_cpus: tuple[int, ...] | None = None
+    """A second engine replica on these cores (``scheduler: ray``) at the lowest CPU
+    priority Linux has (``SCHED_IDLE``): it computes only while nothing else there wants
+    the cores and gives them back at once when something does. On the trainer's cores
+    (``train.cpus``) it turns the time the trainer waits for a batch into more episodes. A
+    new session goes to the replica with the fewest requests in flight and stays there;
+    weight updates reach both. Its compute is lane ``engine_idle`` of the spans, measured
+    in CPU time. None = off."""
     probe_size: int = 0
     """Dynamic sampling with a probe (``algorithm: dapo``): sample this many episodes of a
     group first and drop the group there when their rewards are all equal, before the other
@@ -314,6 +322,11 @@ class RolloutConfig(_Checked):
             ("episode_timeout_s", timeout is None or timeout > 0, "> 0 or null (no limit)"),
             ("gamma", 0 <= self.gamma <= 1, "in [0, 1]"),
             ("engine_cpus", _cores_ok(self.engine_cpus), "a non-empty list of distinct cores"),
+            (
+                "idle_engine_cpus",
+                _cores_ok(self.idle_engine_cpus),
+                "a non-empty list of distinct cores, or null (off)",
+            ),
         )
 
 
@@ -1008,6 +1021,11 @@ class TrainConfig(_Checked):
                 "rollout.engine_cpus: pins the engine's own process, which only "
                 "scheduler=ray starts (with scheduler=local the engine shares this process: "
                 "pin it with train.cpus); set scheduler=ray or remove rollout.engine_cpus"
+            )
+        if self.rollout.idle_engine_cpus is not None and self.scheduler != "ray":
+            out.append(
+                "rollout.idle_engine_cpus: starts a second engine process, which only "
+                "scheduler=ray does; set scheduler=ray or remove rollout.idle_engine_cpus"
             )
         judge = self.rewards.judge
         if judge.mode != "none" and judge.base_url is None and self.scheduler == "ray":

@@ -164,7 +164,9 @@ class Trainer:
         self.engine, self.source = rollout.engine, rollout.source
         if cfg.train.cpus is not None and cfg.scheduler != "ray":
             pin_to_cpus(cfg.train.cpus, "train.cpus")
-        self._lane_cores = spans.pinned_lane_cores(cfg.rollout.engine_cpus, cfg.train.cpus)
+        self._lane_cores = spans.pinned_lane_cores(
+            cfg.rollout.engine_cpus, cfg.train.cpus, cfg.rollout.idle_engine_cpus
+        )
         self.make_env = self.source.make_env
         self.seed_base = self.source.settings.seed_base
         self.held_out = HeldOut(cfg, self.out)  # a bad eval section fails here

@@ -43,7 +43,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -799,8 +799,10 @@ def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any
         cpus=cfg.rollout.engine_cpus,
         kv_on_update=cfg.rollout.kv_on_update,
     )
-    cores = cfg.rollout.engine_cpus
-    engine = RayEngine.start(spec, num_cpus=float(len(cores)) if cores else 1.0)
+    cores, idle = cfg.rollout.engine_cpus, cfg.rollout.idle_engine_cpus
+    # the idle-priority replica reserves no CPU: it runs on what others leave
+    extra = [] if idle is None else [(replace(spec, cpus=idle, idle_priority=True), 0.0)]
+    engine = RayEngine.start(spec, num_cpus=float(len(cores)) if cores else 1.0, extra=extra)
     return engine, RayRunner(engine, model_path, **runner_kwargs)
 
 

@@ -422,3 +422,49 @@ async def test_kept_caches_decode_on_through_a_weight_update(tiny_model_dir, hf_
     assert res.output_logprobs[switch : switch + 8] == pytest.approx(logprobs, abs=1e-4)
     assert_greedy_matches_hf(new_model, prompt, joined, 8)
     assert_greedy_matches_hf(new_model, turn, after, 8)
+
+
+async def test_cpu_time_spans_count_only_the_cpu_the_engine_got(tiny_model_dir):
+    """An engine at the idle priority shares its cores: with ``cpu_time_spans`` a compute
+    span lasts only as long as the CPU time the process spent in it. A step that sleeps
+    (another process had the core) leaves next to nothing; one that computes keeps about
+    its wall time (per torch thread: this loop used one of them); without the flag the
+    sleep counts in full. Then real decode steps
+    record spans on lane ``engine``."""
+    import time
+
+    from areal_agents import spans
+
+    rec = spans.record_to(None)
+    eng = EmbeddedEngine.from_pretrained(
+        tiny_model_dir, dtype="float32", max_batch_size=4, cpu_time_spans=True
+    )
+    try:
+
+        def engine_spans() -> list[tuple[str, str, float, float]]:
+            return [s for s in rec.window(0.0, time.perf_counter() + 1) if s[0] == "engine"]
+
+        def lengths() -> list[float]:
+            return [b - a for _, _, a, b in engine_spans()]
+
+        with eng._timed("decode"):
+            time.sleep(0.2)
+        t_end = time.perf_counter() + 0.2
+        with eng._timed("decode"):
+            while time.perf_counter() < t_end:
+                sum(i * i for i in range(1000))
+        got = lengths()  # a span of no CPU time at all is not recorded
+        slept, computed = got if len(got) == 2 else (0.0, got[0])
+        n = torch.get_num_threads()  # the CPU time is shared out over the engine's threads
+        assert slept < 0.05 and 0.15 / n < computed <= 0.2 / n + 1e-3
+        eng.cpu_time_spans = False
+        with eng._timed("decode"):
+            time.sleep(0.2)
+        assert lengths()[-1] >= 0.2
+        eng.cpu_time_spans = True
+        await eng.generate([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.0))
+        names = [n for _, n, _, _ in engine_spans()]
+        assert "prefill" in names and "decode" in names[3:]
+    finally:
+        await eng.close()
+        spans.stop()

@@ -112,3 +112,34 @@ def test_pin_to_cpus_moves_every_thread_and_sets_torch_threads():
     assert (
         "refused: train.cpus: cores [" in out.stdout and "name cores from that list" in out.stdout
     )
+
+
+IDLE_SCRIPT = """
+import os, threading
+from areal_agents.hardware import lowest_priority
+
+stop = threading.Event()
+before = threading.Thread(target=stop.wait)  # a thread that exists before the change
+before.start()
+lowest_priority("rollout.idle_engine_cpus")
+for tid in os.listdir("/proc/self/task"):
+    assert os.sched_getscheduler(int(tid)) == os.SCHED_IDLE, tid
+def report():
+    print("child idle", os.sched_getscheduler(0) == os.SCHED_IDLE)
+child = threading.Thread(target=report)
+child.start(); child.join(); stop.set(); before.join()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_lowest_priority_moves_every_thread_to_sched_idle():
+    """In a process of its own (this one keeps its priority): threads that existed before
+    and threads started after run at SCHED_IDLE."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", IDLE_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "child idle True" in out.stdout

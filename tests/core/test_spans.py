@@ -74,6 +74,31 @@ def test_busy_cores_weights_each_lane_by_its_own_cores() -> None:
     assert "time/busy_cores" not in spans.busy_idle(rows, 0.0, 10.0)
 
 
+def test_busy_cores_counts_a_guest_lane_on_its_hosts_cores_once() -> None:
+    """An idle-priority engine replica (lane ``engine_idle``) on the trainer's core: the
+    engine decodes [0, 8] of W = 10 on core 0 -> 0.8; on core 1 the trainer computes [0, 4]
+    and the guest [3, 9]: their union [0, 9] -> 0.9 (the overlap [3, 4] counts once);
+    busy_cores = (0.8 + 0.9) / 2 = 0.85. Without the mapping the guest would not count:
+    (0.8 + 0.4) / 2 = 0.6."""
+    rows = [
+        ("engine", "decode", 0.0, 8.0),
+        ("trainer", "forward", 0.0, 4.0),
+        ("engine_idle", "decode", 3.0, 9.0),
+    ]
+    cores = spans.pinned_lane_cores([0], [1], [1])
+    assert cores == {"engine": 1, "trainer": 1, "engine_idle": "trainer"}
+    got = spans.busy_idle(rows, 0.0, 10.0, cores=cores)
+    assert got["time/busy_cores"] == pytest.approx(0.85)
+    assert got["time/busy_engine_idle"] == pytest.approx(0.6)
+    plain = spans.busy_idle(rows, 0.0, 10.0, cores={"engine": 1, "trainer": 1})
+    assert plain["time/busy_cores"] == pytest.approx(0.6)
+    # On cores of its own it is a lane with its own cores: (0.8 + 0.4 + 0.6 * 2) / 4 = 0.6
+    cores = spans.pinned_lane_cores([0], [1], [2, 3])
+    assert cores == {"engine": 1, "trainer": 1, "engine_idle": 2}
+    assert spans.busy_idle(rows, 0.0, 10.0, cores=cores)["time/busy_cores"] == pytest.approx(0.6)
+    assert spans.pinned_lane_cores([0], [1], [0])["engine_idle"] == "engine"  # type: ignore[index]
+
+
 def test_spans_drained_in_one_process_land_on_the_clock_of_another() -> None:
     """An engine actor's recorder drains wall-clock spans; the trainer's merges them onto its
     own perf_counter clock (same machine: within a millisecond), with a new lane."""

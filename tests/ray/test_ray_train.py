@@ -13,9 +13,15 @@ from trainer.config import load_config
 
 
 @pytest.mark.slow
-def test_scheduler_ray_trains_with_rollouts_on_ray_workers(cluster, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("idle_engine", [False, True], ids=["one-engine", "idle-replica"])
+def test_scheduler_ray_trains_with_rollouts_on_ray_workers(
+    cluster, tiny_model_dir, tmp_path, idle_engine
+):
     """With the engine pinned to the first core and the trainer to the last (the
-    disaggregated layout of benchmarks/async_vs_sync.py --setting pinned)."""
+    disaggregated layout of benchmarks/async_vs_sync.py --setting pinned); with
+    ``idle-replica``, a second engine replica at the idle priority on the trainer's core
+    (``rollout.idle_engine_cpus``) serves episodes too, takes every weight update, and its
+    compute counts on the trainer's core."""
     import os
 
     import torch
@@ -45,6 +51,7 @@ def test_scheduler_ray_trains_with_rollouts_on_ray_workers(cluster, tiny_model_d
             f"train.output_dir={tmp_path / 'run'}",
             f"rollout.engine_cpus=[{engine_core}]",
             f"train.cpus=[{trainer_core}]",
+            f"rollout.idle_engine_cpus={[trainer_core] if idle_engine else 'null'}",
         ],
     )
     trainer = Trainer(cfg, quiet=True)
@@ -54,7 +61,13 @@ def test_scheduler_ray_trains_with_rollouts_on_ray_workers(cluster, tiny_model_d
     finally:  # the rest of the session runs on every core again
         pin_to_cpus(cores, "every core")
         torch.set_num_threads(threads)
-    assert trainer.engine.info["cpus"] == [[engine_core]], "the engine actor runs on its core"
+    info = trainer.engine.info
+    if idle_engine:
+        assert info["cpus"] == [[engine_core], [trainer_core]]
+        assert info["lanes"] == ["engine", "engine_idle"]
+        assert info["idle_priority"] == [False, True]
+    else:
+        assert info["cpus"] == [[engine_core]], "the engine actor runs on its core"
     assert type(trainer.source.runner).__name__ == "RayRunner"
     assert trainer.engine.version == 2, "the engine actor got the weights of both steps"
     counters = trainer.source.runner.counters
@@ -74,9 +87,17 @@ def test_scheduler_ray_trains_with_rollouts_on_ray_workers(cluster, tiny_model_d
     assert all(0 <= r["start"] < r["end"] <= last + 1e-3 for r in decodes)
     for r in rows:
         assert r["time/busy_engine"] > 0 and r["time/busy_trainer"] > 0
-        assert r["time/busy_cores"] == pytest.approx(
-            (r["time/busy_engine"] + r["time/busy_trainer"]) / 2
-        )
+        two = (r["time/busy_engine"] + r["time/busy_trainer"]) / 2
+        if not idle_engine:
+            assert r["time/busy_cores"] == pytest.approx(two)
+            continue
+        # the idle replica's compute on the trainer's core counts there, at most once
+        guest = r.get("time/busy_engine_idle", 0.0)
+        assert two - 1e-9 <= r["time/busy_cores"] <= two + guest / 2 + 1e-9
+    if idle_engine:  # both replicas served episodes and took the weights of both steps
+        for lane in ("engine", "engine_idle"):
+            names = [r["name"] for r in rows_s if r["lane"] == lane]
+            assert "decode" in names and names.count("weight_update") >= 2, lane
 
 
 def _dist_ranks():

@@ -52,6 +52,7 @@ rollout:
   probe_size: 2
   kv_on_update: keep
   engine_cpus: [0]
+  idle_engine_cpus: [1]
 context: {policy: fail, reserve_tokens: 512, keep_last_turns: 2, summary_max_tokens: 512,
           summary_trained: false}
 rewards:
@@ -168,6 +169,7 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
     assert cfg.train.collective_timeout_s == 300.0
     assert cfg.rollout.probe_size == 2
     assert (cfg.rollout.engine_cpus, cfg.train.cpus) == ((0,), (1, 2))
+    assert cfg.rollout.idle_engine_cpus == (1,)
     assert cfg.rollout.kv_on_update == "keep"
     assert cfg.sft.kind == "episodes" and cfg.sft.lr == 1e-5
     assert cfg.metrics.tensorboard is False
@@ -571,5 +573,15 @@ def test_core_pinning_keys_are_checked_before_the_run():
     for bad in ("[]", "[1, 1]", "[-1]"):
         problems = problems_of(None, ["env.id=areal/Math-v0", f"train.cpus={bad}"])
         assert any(p.startswith("train.cpus: must be a non-empty list") for p in problems), bad
+        problems = problems_of(
+            None, ["env.id=areal/Math-v0", "scheduler=ray", f"rollout.idle_engine_cpus={bad}"]
+        )
+        assert any(p.startswith("rollout.idle_engine_cpus: must be a non-empty") for p in problems)
+    problems = problems_of(None, ["env.id=areal/Math-v0", "rollout.idle_engine_cpus=[1]"])
+    assert any(
+        p.startswith("rollout.idle_engine_cpus: starts a second engine process")
+        and "set scheduler=ray" in p
+        for p in problems
+    )
     problems = problems_of(None, ["env.id=areal/Math-v0", "train.cpus=[a]"])
     assert any(p.startswith("train.cpus: expected a list of int") for p in problems)
