@@ -229,12 +229,8 @@ class EngineHost:
         self._takes_route_key = accepts_route_key(self.engine)
 
     async def take_spans(self) -> list[dict[str, Any]]:
-        """The spans this engine recorded since the last call, on the wall clock (its
-        factory's ``lane`` in place of ``engine``)."""
-        rows = self._spans.drain()
-        if self._lane != "engine":
-            rows = [{**r, "lane": self._lane} if r["lane"] == "engine" else r for r in rows]
-        return rows
+        """The spans this engine recorded since the last call, on the wall clock."""
+        return self._spans.drain()
 
     async def describe(self) -> dict[str, Any]:
         return {
@@ -427,13 +423,14 @@ class RayEngine:
 
     async def take_spans(self) -> list[dict[str, Any]]:
         """The engine actors' spans since the last call (wall-clock times, for
-        :meth:`areal_agents.spans.SpanRecorder.merge`); where replicas share a lane
-        (``engine``), each one's is ``engine<i>``."""
+        :meth:`areal_agents.spans.SpanRecorder.merge`), each replica's on its factory's lane
+        (``engine``, ``engine_idle``); where replicas share a lane, each one's is
+        ``<lane><i>``."""
         got = await self._broadcast("take_spans")
         lanes = self.info.get("lanes") or ["engine"] * len(got)
-        shared = {lane for lane in lanes if lanes.count(lane) > 1}
+        names = [f"{lane}{i}" if lanes.count(lane) > 1 else lane for i, lane in enumerate(lanes)]
         return [
-            {**r, "lane": f"{r['lane']}{i}"} if lanes[i] in shared else r
+            r if names[i] == "engine" else {**r, "lane": names[i]}
             for i, rows in enumerate(got)
             for r in rows
         ]
