@@ -23,11 +23,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .chat import ChatTokenizer
-    from .context import ContextPolicy
-    from .embedded import EmbeddedEngine
-    from .engine import Engine, GenerateResult, SamplingParams, WeightUpdate
-    from .errors import (
+    from areal_agents.engines.embedded import EmbeddedEngine
+    from areal_agents.engines.protocol import Engine, GenerateResult, SamplingParams, WeightUpdate
+    from areal_agents.engines.router import RoutedEngine
+    from areal_agents.engines.sglang import SGLangEngine
+    from areal_agents.engines.vllm import VLLMEngine
+    from areal_agents.errors import (
         ArealError,
         BackendError,
         ConfigError,
@@ -43,26 +44,27 @@ if TYPE_CHECKING:
         ToolError,
         UserError,
     )
-    from .fake_engine import FakeEngine
-    from .model import DEFAULT_MODEL, resolve_model
-    from .proxy import Proxy
-    from .router import RoutedEngine
-    from .server import ProxyServer
-    from .session import Session, SessionStore
-    from .sglang_engine import SGLangEngine
-    from .toolcall import ParsedOutput, parse_tool_calls
-    from .trajectory import Completion, Episode, TrainingSample
-    from .vllm_engine import VLLMEngine
+    from areal_agents.model import DEFAULT_MODEL, resolve_model
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.serve.context import ContextPolicy
+    from areal_agents.serve.proxy import Proxy
+    from areal_agents.serve.server import ProxyServer
+    from areal_agents.serve.session import Session, SessionStore
+    from areal_agents.serve.toolcall import ParsedOutput, parse_tool_calls
+    from areal_agents.testing.fake_engine import FakeEngine
+    from areal_agents.trajectory import Completion, Episode, TrainingSample
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Every public name and the submodule it lives in: imported on first access (PEP 562), so
 # ``import areal_agents.client`` (a worker without torch or fastapi) loads none of the rest.
 _LAZY: dict[str, str] = {
-    "ChatTokenizer": "chat",
-    "ContextPolicy": "context",
-    "EmbeddedEngine": "embedded",
-    **dict.fromkeys(("Engine", "GenerateResult", "SamplingParams", "WeightUpdate"), "engine"),
+    "ChatTokenizer": "serve.chat",
+    "ContextPolicy": "serve.context",
+    "EmbeddedEngine": "engines.embedded",
+    **dict.fromkeys(
+        ("Engine", "GenerateResult", "SamplingParams", "WeightUpdate"), "engines.protocol"
+    ),
     **dict.fromkeys(
         (
             "ArealError",
@@ -82,27 +84,27 @@ _LAZY: dict[str, str] = {
         ),
         "errors",
     ),
-    "FakeEngine": "fake_engine",
+    "FakeEngine": "testing.fake_engine",
     "DEFAULT_MODEL": "model",
     "resolve_model": "model",
-    "Proxy": "proxy",
-    "RoutedEngine": "router",
-    "ProxyServer": "server",
-    "Session": "session",
-    "SessionStore": "session",
-    "SGLangEngine": "sglang_engine",
-    "ParsedOutput": "toolcall",
-    "parse_tool_calls": "toolcall",
+    "Proxy": "serve.proxy",
+    "RoutedEngine": "engines.router",
+    "ProxyServer": "serve.server",
+    "Session": "serve.session",
+    "SessionStore": "serve.session",
+    "SGLangEngine": "engines.sglang",
+    "ParsedOutput": "serve.toolcall",
+    "parse_tool_calls": "serve.toolcall",
     "Completion": "trajectory",
     "Episode": "trajectory",
     "TrainingSample": "trajectory",
-    "VLLMEngine": "vllm_engine",
+    "VLLMEngine": "engines.vllm",
 }
 
 
 def make(env_id: str, **kwargs: Any) -> Any:
     """Create a registered environment (``gymnasium.make`` with areal's registry loaded)."""
-    from envs.registry import make as _make
+    from areal_agents.envs.registry import make as _make
 
     return _make(env_id, **kwargs)
 

@@ -1,11 +1,11 @@
 """The worker client: run an agent in its own process (venv, machine), fed by a trainer.
 
-The trainer serves the recording proxy and the worker API of :mod:`areal_agents.workers`.
+The trainer serves the recording proxy and the worker API of :mod:`areal_agents.rollout.workers`.
 An :class:`AgentWorker` long-polls it for tasks, runs the agent on each one (up to
 ``concurrency`` at once), heartbeats while the agent runs, and posts the final answer (or the
 exception text). The agent calls the model itself through the task's session, so every call
 is recorded on the episode, and calls the env's tools through the hub: ``task.tools`` are
-:class:`RemoteTool` objects with the interface of ``tools.tool.Tool`` (``name``,
+:class:`RemoteTool` objects with the interface of ``areal_agents.tools.tool.Tool`` (``name``,
 ``description``, ``parameters``, ``schema``, ``await acall(arguments)``, ``call(arguments)``),
 so the agent code written for the in-process ``AgentTask`` runs here unchanged::
 
@@ -58,7 +58,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from .errors import ArealError, UserError
+from areal_agents.errors import ArealError, UserError
 
 __all__ = [
     "AgentWorker",
@@ -138,7 +138,7 @@ def _error_of(response: httpx.Response) -> tuple[str, str | None]:
 # ---------------------------------------------------------------------- tasks and tools
 @dataclass(frozen=True)
 class RemoteToolResult:
-    """What a tool call returned (``tools.tool.ToolResult``'s fields)."""
+    """What a tool call returned (``areal_agents.tools.tool.ToolResult``'s fields)."""
 
     content: str
     error: str | None = None
@@ -149,7 +149,7 @@ class RemoteToolResult:
 
 
 class RemoteTool:
-    """An env tool of one task, run by the hub (duck-types ``tools.tool.Tool``).
+    """An env tool of one task, run by the hub (duck-types ``areal_agents.tools.tool.Tool``).
 
     A model mistake (bad arguments, an unknown tool) is a result with ``error`` set, as with
     a local tool; :class:`TaskGone` is raised when the task is over.

@@ -21,7 +21,7 @@ episode, are recorded on it, counted, and never crash a batch::
     │   └── AgentLost             an agent in another process stopped answering (no
     │                             heartbeat, no result in time, or the worker hub closed)
     └── ApiError                  the proxy's answer to a bad call, in the OpenAI error
-                                  format with its HTTP status (``areal_agents.proxy``)
+                                  format with its HTTP status (``areal_agents.serve.proxy``)
 
 Every ``RolloutError`` has a short machine-readable ``kind`` used as the counted reason.
 """

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
+from areal_agents.errors import ConfigError
 
 __all__ = ["cpu_flags", "default_device", "native_bf16", "pin_to_cpus", "resolve_dtype"]
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import ModelNotFound
+from areal_agents.errors import ModelNotFound
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

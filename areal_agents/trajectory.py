@@ -23,7 +23,7 @@ The data contract, in code (what every engine, proxy and trainer path agrees on)
   sample, the in-between tokens (tool results, user turns, template glue) masked. Only an only
   child merges (a parent with several children would otherwise be trained several times). The
   decision for every completion is recorded in ``merge`` and summarised as metrics.
-* Context rewrites (:mod:`areal_agents.context`): when the proxy had to shorten a request
+* Context rewrites (:mod:`areal_agents.serve.context`): when the proxy had to shorten a request
   to fit the model's context, ``messages`` stays what the client sent (parents are found on
   it, so the tree and its returns run across the rewrite), ``context_edits`` says what was
   sent instead (:attr:`Completion.sent_messages`) and ``prompt_ids`` are its tokens, as
@@ -32,7 +32,7 @@ The data contract, in code (what every engine, proxy and trainer path agrees on)
   after it in the same segment merge into it as usual. A summary call the proxy made is a
   completion of its own (``context_rewrite == "summary_call"``), outside the tree: no
   parent, no children, a leaf credited with the final reward like any other, but not a
-  root of the episode's return (``trainer.advantage.completion_returns``); untrained
+  root of the episode's return (``areal_agents.trainer.advantage.completion_returns``); untrained
   (``trained=False``, no sample) unless the policy trains summaries.
 """
 
@@ -76,7 +76,7 @@ class Completion:
     the agents whose completions are trained."""
     context_rewrite: str | None = None
     """How the proxy rewrote a request that outgrew the model's context
-    (:mod:`areal_agents.context`): ``"truncated"`` (old tool results replaced by a marker),
+    (:mod:`areal_agents.serve.context`): ``"truncated"`` (old tool results replaced by a marker),
     ``"summarized"`` (older turns replaced by a summary), ``"summary_call"`` (this call
     wrote such a summary), or None (sent as the client sent it)."""
     context_edits: list[dict[str, Any]] | None = None

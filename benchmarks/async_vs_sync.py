@@ -1,6 +1,6 @@
 """Asynchronous against synchronous RL when tools are slow: wall-clock to the same training.
 
-The same training config runs twice through ``trainer.loop.Trainer`` (the code path of
+The same training config runs twice through ``areal_agents.trainer.loop.Trainer`` (the code path of
 ``areal-agent train``), once with ``rollout.max_head_offpolicyness=0`` (synchronous: the
 baseline) and once with ``--eta`` (asynchronous, 4 by default). The env is
 ``bench/SlowCalculator-v0`` (``rl_common.py``): the two-turn calculator task (call the
@@ -181,7 +181,7 @@ def make_config(
 ) -> Any:
     from rl_common import SLOW_ENV_ID
 
-    from trainer.config import load_config
+    from areal_agents.trainer.config import load_config
 
     kwargs = ", ".join(f"{k}: {v}" for k, v in env_kwargs(args).items())
     lora = (
@@ -229,12 +229,12 @@ def make_config(
 
 async def evaluate_model(args: argparse.Namespace, path: str) -> Any:
     """Greedy success of the model at ``path`` on held-out tasks (test split, no delays)."""
-    from areal_agents.chat import ChatTokenizer
-    from areal_agents.embedded import EmbeddedEngine
-    from areal_agents.evaluate import evaluate
-    from areal_agents.proxy import Proxy
-    from areal_agents.runner import Runner
-    from envs.registry import make
+    from areal_agents.engines.embedded import EmbeddedEngine
+    from areal_agents.envs.registry import make
+    from areal_agents.rollout.evaluate import evaluate
+    from areal_agents.rollout.runner import Runner
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.serve.proxy import Proxy
 
     tok = ChatTokenizer.from_dir(path)
     n = args.eval_episodes

@@ -22,8 +22,8 @@ import torch
 def build(path: str, new: bool, rows: int, suffix: int) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from areal_agents import embedded as E
-    from areal_agents.engine import SamplingParams
+    from areal_agents.engines import embedded as E
+    from areal_agents.engines.protocol import SamplingParams
 
     saved = E._slice_output_projection, E._use_cascade_attention
     if not new:  # the baseline: the engine without its two decode-step changes

@@ -47,11 +47,11 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    from areal_agents.chat import ChatTokenizer
-    from areal_agents.embedded import EmbeddedEngine
-    from areal_agents.engine import SamplingParams
+    from areal_agents.engines.embedded import EmbeddedEngine
+    from areal_agents.engines.protocol import SamplingParams
     from areal_agents.hardware import resolve_dtype
     from areal_agents.model import resolve_model
+    from areal_agents.serve.chat import ChatTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF directory (default: the default model)")

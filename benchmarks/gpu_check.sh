@@ -8,7 +8,7 @@
 #
 # train: benchmarks/gpu_train_check.py on one GPU, under 4 minutes, no network. A model of
 # Qwen3-0.6B's shape (`--shape 1.7b`: Qwen3-1.7B's) with random weights in bfloat16 and the
-# Qwen tokenizer is trained for 3 steps by `python -m areal_agents.cli train` (GRPO on
+# Qwen tokenizer is trained for 3 steps by `python -m areal_agents.cli.main train` (GRPO on
 # areal/Calculator-v0, full fine-tuning, train.nproc=1 train.fsdp=true); then the step time,
 # generation and training tok/s, the training MFU and the weight-sync time are printed. The
 # project runs from source (PYTHONPATH = the repository root) on the machine's own torch and
@@ -53,7 +53,7 @@
 #                                (default: .venv/bin/python)
 #   SGLANG_ARGS, VLLM_ARGS       extra server flags (e.g. SGLANG_ARGS="--attention-backend triton")
 #   SGLANG_MODULE                the module run as the SGLang server (default sglang.launch_server;
-#                                areal_agents.fake_sglang rehearses this script on a CPU)
+#                                areal_agents.testing.fake_sglang rehearses this script on a CPU)
 #   GPU_ARCH, GPU_PYTHON_VERSION prepare: the GPU machine's architecture and Python
 #                                (default: x86_64, 3.12)
 #   GPU_CHECK_OUT                where logs go (default: a temporary directory); train leaves
@@ -125,7 +125,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() { "$test_py" -c "from areal_agents.server import free_port; print(free_port())"; }
+free_port() { "$test_py" -c "from areal_agents.engines.launch import free_port; print(free_port())"; }
 
 env_vars=(AREAL_ENGINE_MODEL="$model")
 markers=()

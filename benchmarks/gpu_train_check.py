@@ -9,7 +9,7 @@ few steps by ``areal-agent train`` on the calculator env, then its speeds.
    written out below; ``tiny`` for a CPU rehearsal) in ``--dtype``, saves it with the
    Qwen tokenizer from ``--tokenizer`` (only ``tokenizer.json`` and
    ``tokenizer_config.json`` are needed) into a temporary directory.
-2. Runs ``python -m areal_agents.cli train --config examples/agents/quickstart.yaml`` with
+2. Runs ``python -m areal_agents.cli.main train --config examples/agents/quickstart.yaml`` with
    overrides: full fine-tuning (``--lora``: adapters), GRPO, ``train.nproc=1
    train.fsdp=true`` (``--no-fsdp``: the unsharded trainer), ``--steps`` steps of
    ``--batch-size`` groups of ``--group-size`` episodes, ``sampling.max_new_tokens`` and
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [
         sys.executable,
         "-m",
-        "areal_agents.cli",
+        "areal_agents.cli.main",
         "train",
         "--config",
         str(ROOT / "examples/agents/quickstart.yaml"),

@@ -1,4 +1,4 @@
-"""How often an LLM judge (``rewards.judge``, :mod:`trainer.judge`) agrees with the gold
+"""How often an LLM judge (``rewards.judge``, :mod:`areal_agents.trainer.judge`) agrees with the gold
 answers of ``areal/Search-v0``'s knowledge base.
 
 The model answers N held-out questions with search/open (greedy, through the proxy, as in a
@@ -63,15 +63,15 @@ async def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args()
 
-    from areal_agents.chat import ChatTokenizer
-    from areal_agents.embedded import EmbeddedEngine
-    from areal_agents.evaluate import evaluate
+    from areal_agents.engines.embedded import EmbeddedEngine
+    from areal_agents.envs.registry import make
     from areal_agents.model import resolve_model
-    from areal_agents.proxy import Proxy
-    from areal_agents.runner import Runner
-    from envs.registry import make
-    from trainer.config import load_config
-    from trainer.judge import make_judge
+    from areal_agents.rollout.evaluate import evaluate
+    from areal_agents.rollout.runner import Runner
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.serve.proxy import Proxy
+    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.judge import make_judge
 
     overrides = [] if args.judge_url is None else [f"rewards.judge.base_url={args.judge_url}"]
     cfg = load_config(HERE.parent / "examples/agents/search_judge.yaml", overrides)

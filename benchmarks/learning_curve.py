@@ -89,7 +89,7 @@ def evaluate(
     if cached.exists() and recorded.exists() and json.loads(recorded.read_text()) == request:
         report: dict[str, Any] = json.loads(cached.read_text())
         return report
-    cmd = [sys.executable, "-m", "areal_agents.cli", "eval", "--env", request["env"]]
+    cmd = [sys.executable, "-m", "areal_agents.cli.main", "eval", "--env", request["env"]]
     cmd += ["--env-kwargs", json.dumps(request["env_kwargs"]), "--adapter", str(ckpt / "model")]
     for flag in ("episodes", "seed", "temperature", "max_tokens", "max_turns", "dtype"):
         cmd += [f"--{flag.replace('_', '-')}", str(request[flag])]

@@ -2,7 +2,7 @@
 
 The same embedded engine (continuous batching, ``--concurrency`` requests of ``--new-tokens``
 sampled tokens each, end-of-sequence ignored) serves the same adapter two ways: merged
-(``W0 + s B A``, what the engine does for a float32 model: ``areal_agents.weights.MergedLora``)
+(``W0 + s B A``, what the engine does for a float32 model: ``areal_agents.engines.weights.MergedLora``)
 and through peft's forward (``W x + s B (A x)`` per adapted layer, the baseline). The two run
 alternately, ``--repeats`` times each, and the script prints each rate, the ratio of the
 medians, and how far one greedy request agrees between the two (tokens, logprobs).
@@ -29,11 +29,11 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from areal_agents.chat import ChatTokenizer
-    from areal_agents.embedded import EmbeddedEngine
-    from areal_agents.engine import SamplingParams, WeightUpdate
+    from areal_agents.engines.embedded import EmbeddedEngine
+    from areal_agents.engines.protocol import SamplingParams, WeightUpdate
+    from areal_agents.engines.weights import apply_weight_update
     from areal_agents.model import resolve_model
-    from areal_agents.weights import apply_weight_update
+    from areal_agents.serve.chat import ChatTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF directory (default: the default model)")

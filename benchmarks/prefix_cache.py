@@ -16,14 +16,14 @@ import asyncio
 import time
 from typing import Any
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.embedded import EmbeddedEngine
-from areal_agents.evaluate import evaluate
+from areal_agents.engines.embedded import EmbeddedEngine
+from areal_agents.envs.registry import make
 from areal_agents.model import resolve_model
-from areal_agents.proxy import Proxy
-from areal_agents.runner import Runner
-from areal_agents.server import ProxyServer
-from envs.registry import make
+from areal_agents.rollout.evaluate import evaluate
+from areal_agents.rollout.runner import Runner
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.serve.server import ProxyServer
 
 
 def run(path: str, adapter: str | None, entries: int, groups: int, k: int) -> dict[str, Any]:

@@ -32,10 +32,10 @@ HERE = Path(__file__).resolve().parent
 
 SERVER = r"""
 import sys, uvicorn
-from areal_agents.chat import ChatTokenizer
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.store import EpisodeStore
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.testing.fake_engine import FakeEngine
+from areal_agents.serve.proxy import Proxy
+from areal_agents.serve.store import EpisodeStore
 tok = ChatTokenizer.from_dir(sys.argv[1])
 reply = tok.encode("The answer is 42, as computed by the calculator tool.")
 end = tok.token_id("<|im_end|>")
@@ -73,8 +73,8 @@ TOOLS = [
 
 async def direct_latency(n: int) -> list[float]:
     """Baseline: the fake engine called directly with pre-tokenized prompts."""
-    from areal_agents.engine import SamplingParams
-    from areal_agents.fake_engine import FakeEngine
+    from areal_agents.engines.protocol import SamplingParams
+    from areal_agents.testing.fake_engine import FakeEngine
 
     engine = FakeEngine(lambda ids, p: list(range(12)))
     params = SamplingParams(max_new_tokens=64)

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(Path(args.summarize)))
         return 0
     cmd = [
-        sys.executable, "-m", "areal_agents.cli", "train", "--config", str(CONFIG), "--quiet",
+        sys.executable, "-m", "areal_agents.cli.main", "train", "--config", str(CONFIG), "--quiet",
         f"train.output_dir={args.out}", f"train.time_limit_min={args.minutes}",
         "train.steps=1000", f"eval.episodes={args.eval_episodes}", *args.overrides,
     ]  # fmt: skip

@@ -15,7 +15,7 @@
 * :func:`resolve_bench_model`: ``default`` (SmolLM2-135M-Instruct), ``tiny`` (a seeded random
   ~3M-parameter Llama with the default model's tokenizer and chat template, built once, for
   smoke runs) or a model directory.
-* :class:`TimedTrainer`: the real ``trainer.loop.Trainer`` (the code path of
+* :class:`TimedTrainer`: the real ``areal_agents.trainer.loop.Trainer`` (the code path of
   ``areal-agent train``), recording when rollouts start and when each step ends.
 
 Importing this module imports torch (through the trainer): the scripts import it after
@@ -39,12 +39,12 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from envs.base import as_assistant_message  # noqa: E402
-from envs.math.env import CalculatorEnv  # noqa: E402
-from envs.registry import register  # noqa: E402
-from tools.tool import Tool  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
-from trainer.loop import Trainer  # noqa: E402
+from areal_agents.envs.base import as_assistant_message  # noqa: E402
+from areal_agents.envs.math.env import CalculatorEnv  # noqa: E402
+from areal_agents.envs.registry import register  # noqa: E402
+from areal_agents.tools.tool import Tool  # noqa: E402
+from areal_agents.trainer.config import TrainConfig  # noqa: E402
+from areal_agents.trainer.loop import Trainer  # noqa: E402
 
 SLOW_ENV_ID = "bench/SlowCalculator-v0"
 ARITHMETIC_ENV_ID = "bench/Arithmetic-v0"
@@ -222,7 +222,7 @@ def tiny_model_dir() -> Path:
 
 # ------------------------------------------------------------------------------ trainer
 class TimedTrainer(Trainer):
-    """``trainer.loop.Trainer`` recording the start of rollouts and the end of each step.
+    """``areal_agents.trainer.loop.Trainer`` recording the start of rollouts and the end of each step.
 
     ``t_start`` is taken when the engine, policy and runner are built (rollouts start right
     after); ``step_ends[k]`` when step k's optimizer step returns (before its weights reach

@@ -41,12 +41,12 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from areal_agents.chat import ChatTokenizer  # noqa: E402
-from areal_agents.fake_engine import FakeEngine  # noqa: E402
-from areal_agents.proxy import Proxy  # noqa: E402
-from areal_agents.runner import EpisodeResult, Runner  # noqa: E402
-from envs.base import AgentEnv  # noqa: E402
-from tools.tool import function_tool  # noqa: E402
+from areal_agents.envs.base import AgentEnv  # noqa: E402
+from areal_agents.rollout.runner import EpisodeResult, Runner  # noqa: E402
+from areal_agents.serve.chat import ChatTokenizer  # noqa: E402
+from areal_agents.serve.proxy import Proxy  # noqa: E402
+from areal_agents.testing.fake_engine import FakeEngine  # noqa: E402
+from areal_agents.tools.tool import function_tool  # noqa: E402
 
 TURNS = 3
 GROUP_SIZE = 8

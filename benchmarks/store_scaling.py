@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from areal_agents.session import SessionStore
-from areal_agents.store import EpisodeStore
+from areal_agents.serve.session import SessionStore
+from areal_agents.serve.store import EpisodeStore
 from areal_agents.trajectory import Completion
 
 

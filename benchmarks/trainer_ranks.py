@@ -3,7 +3,7 @@ threads, on the same batch of the same model, in the same run.
 
     python benchmarks/trainer_ranks.py [--model DIR] [--groups 4] [--size 4] [--steps 2]
 
-Both sides run ``trainer.loop.train_on_batch`` (GRPO, LoRA by default, proximal logprobs
+Both sides run ``areal_agents.trainer.loop.train_on_batch`` (GRPO, LoRA by default, proximal logprobs
 recomputed) on one batch of synthetic episodes (random prompt and output tokens; each
 group shares its prompt). Reported: seconds per step (the mean after one warm-up step)
 and trained tokens per second; the ratio is ranks over one process. On shared CPU cores
@@ -64,8 +64,8 @@ def _episodes(groups: int, size: int, prompt_len: int, out_len: int) -> list[Any
 
 
 def _time_steps(policy: Any, episodes: list[Any], cfg: Any, steps: int) -> dict[str, float]:
-    from trainer.batch import build_batch
-    from trainer.loop import _algorithm, train_on_batch
+    from areal_agents.trainer.batch import build_batch
+    from areal_agents.trainer.loop import _algorithm, train_on_batch
 
     spec = _algorithm(cfg)
     times, tokens = [], 0.0
@@ -81,16 +81,16 @@ def _time_steps(policy: Any, episodes: list[Any], cfg: Any, steps: int) -> dict[
 
 
 def _config(model: str, lora: bool) -> Any:
-    from trainer.config import load_config
+    from areal_agents.trainer.config import load_config
 
     extra = ["model.lora.enabled=true"] if lora else []
     return load_config(None, [*OVERRIDES, *extra, f"model.path={model}"])
 
 
 def _rank(data_path: str, out_path: str) -> None:
-    from trainer import fsdp
-    from trainer.distributed import DistributedPolicy, Ranks, _die_with_parent, serve
-    from trainer.loop import _algorithm, model_kwargs
+    from areal_agents.trainer import fsdp
+    from areal_agents.trainer.distributed import DistributedPolicy, Ranks, _die_with_parent, serve
+    from areal_agents.trainer.loop import _algorithm, model_kwargs
 
     _die_with_parent()
     torch.set_num_threads(1)
@@ -113,9 +113,9 @@ def _rank(data_path: str, out_path: str) -> None:
 
 def main() -> None:
     from areal_agents.model import DEFAULT_MODEL, resolve_model
-    from trainer.distributed import run_ranks
-    from trainer.loop import _algorithm, model_kwargs
-    from trainer.policy import Policy
+    from areal_agents.trainer.distributed import run_ranks
+    from areal_agents.trainer.loop import _algorithm, model_kwargs
+    from areal_agents.trainer.policy import Policy
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the default model)")

@@ -13,7 +13,7 @@ threads, and both time the steps after a warm-up step:
 * objective: GRPO with group-normalized advantages (mean and std), clip 0.2, per-sequence
   token mean (TRL ``loss_type="grpo"``), no KL term, constant learning rate, AdamW,
   gradient clipping at 1.0, one optimizer step per batch;
-* ours: ``trainer.loop.Trainer`` (the code path of ``areal-agent train``) in this process:
+* ours: ``areal_agents.trainer.loop.Trainer`` (the code path of ``areal-agent train``) in this process:
   the embedded engine (continuous batching, KV cache) generates through the recording
   proxy and the episode runner, the policy trains on packed sequences; synchronous by default
   (``--eta 0``, the same on-policy schedule as TRL), proximal logprobs by the log-linear rule
@@ -145,7 +145,7 @@ def run_ours(args: argparse.Namespace, model: str) -> Any:
     """Run our trainer in this process; returns the finished TimedTrainer."""
     from rl_common import ARITHMETIC_ENV_ID, TimedTrainer
 
-    from trainer.config import load_config
+    from areal_agents.trainer.config import load_config
 
     total = WARMUP_STEPS + args.steps
     group = args.prompts * args.generations
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE))
     from rl_common import arithmetic_prompts, load_average, resolve_bench_model, set_threads
 
-    from areal_agents.chat import ChatTokenizer
+    from areal_agents.serve.chat import ChatTokenizer
 
     args.threads = set_threads(args.threads)
     model = resolve_bench_model(args.model)

@@ -287,9 +287,9 @@ def _train_rows(rng: random.Random, ep: Any, advantage: float, step: int) -> lis
 
 def generate(path: Path, episodes: int, seed: int = 0) -> dict[str, Any]:
     """Write ``episodes`` episodes into a new store at ``path``; what it holds."""
-    from areal_agents.chat import ChatTokenizer
-    from areal_agents.session import Session
-    from areal_agents.store import EpisodeStore
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.serve.session import Session
+    from areal_agents.serve.store import EpisodeStore
 
     tok = ChatTokenizer.from_dir(tokenizer_dir())
     end_id = tok.token_id("<|im_end|>")
@@ -373,7 +373,7 @@ def cached_store(
 
 # ---------------------------------------------------------------------------- measuring
 def start_view(run: Path, port: int) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "areal_agents.cli", "view", str(run), "--port", str(port)]
+    cmd = [sys.executable, "-m", "areal_agents.cli.main", "view", str(run), "--port", str(port)]
     proc = subprocess.Popen([*cmd, "--no-browser"], stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -430,8 +430,8 @@ def main() -> None:
     if args.episodes < GROUP_SIZE:
         p.error(f"--episodes: at least {GROUP_SIZE}")
 
-    from areal_agents.server import free_port
-    from areal_agents.store import EpisodeStore
+    from areal_agents.engines.launch import free_port
+    from areal_agents.serve.store import EpisodeStore
 
     run, info = cached_store(args.dir, args.episodes, args.seed, args.rebuild)
     store = EpisodeStore(run / "episodes.db")

@@ -1,6 +1,6 @@
 """Environments for multi-turn, tool-using agents, registered with gymnasium.
 
-    >>> import envs
+    >>> from areal_agents import envs
     >>> env = envs.make("areal/Calculator-v0")
     >>> messages, info = env.reset(seed=0)
     >>> [m["role"] for m in messages], info["tools"][0]["function"]["name"]
@@ -12,11 +12,11 @@ Importing ``envs`` registers the built-in ids (``areal/Math-v0``, ``areal/Calcul
 imported only when it is made.
 """
 
-from envs.base import AgentEnv, EpisodeEnded, as_assistant_message, run_tool_calls
-from envs.checker import EnvCheckError, check_env
-from envs.registry import ENTRY_POINT_GROUP, list_envs, load_plugins, make, register
-from envs.registry import _register_builtins as _register_builtins
-from envs.spaces import AssistantMessage, ChatMessages
+from areal_agents.envs.base import AgentEnv, EpisodeEnded, as_assistant_message, run_tool_calls
+from areal_agents.envs.checker import EnvCheckError, check_env
+from areal_agents.envs.registry import ENTRY_POINT_GROUP, list_envs, load_plugins, make, register
+from areal_agents.envs.registry import _register_builtins as _register_builtins
+from areal_agents.envs.spaces import AssistantMessage, ChatMessages
 
 _register_builtins()
 

@@ -31,7 +31,7 @@ Semantics shared by every env:
   ``"bad_arguments"``, ``"tool_exception"``, ``"timeout"`` (and ``"mcp_error"`` for an MCP
   server that went away).
 - :meth:`AgentEnv.add_tools` adds tools to every episode's own: ``envs.make(id, mcp=...)``
-  adds an MCP server's this way (:mod:`envs.mcp`).
+  adds an MCP server's this way (:mod:`areal_agents.envs.mcp`).
 - When the episode ends, ``info["success"]`` (bool) is set.
 - ``step`` before ``reset`` or after the end raises :class:`EpisodeEnded`.
 """
@@ -49,9 +49,9 @@ import gymnasium
 from gymnasium import spaces
 from gymnasium.error import ResetNeeded
 
+from areal_agents.envs.spaces import AssistantMessage, ChatMessages
 from areal_agents.errors import ConfigError, UserError
-from envs.spaces import AssistantMessage, ChatMessages
-from tools.tool import Tool, ToolResult
+from areal_agents.tools.tool import Tool, ToolResult
 
 __all__ = ["AgentEnv", "EpisodeEnded", "as_assistant_message", "run_tool_calls", "tool_schemas"]
 

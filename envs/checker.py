@@ -1,7 +1,7 @@
 """Conformance checker for agent envs: ``check_env(env, seed=0)``.
 
 Runs a few short episodes with scripted actions and checks the contract of
-:mod:`envs.base`:
+:mod:`areal_agents.envs.base`:
 
 1. ``reset`` returns (a list of chat messages, info with ``"tools"`` and ``"task_id"``),
    and the observation is in ``observation_space``;
@@ -31,9 +31,9 @@ from typing import Any
 
 from gymnasium.error import ResetNeeded
 
+from areal_agents.envs.spaces import message_problem
 from areal_agents.errors import UserError
-from envs.spaces import message_problem
-from tools.tool import Tool
+from areal_agents.tools.tool import Tool
 
 __all__ = ["EnvCheckError", "check_env"]
 
@@ -265,7 +265,7 @@ def check_env(env: Any, seed: int = 0) -> None:
         EnvCheckError: listing every failed check.
     """
     if isinstance(env, str):
-        from envs.registry import make
+        from areal_agents.envs.registry import make
 
         env = make(env)
     checker = _Checker(env, seed)

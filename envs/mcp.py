@@ -1,7 +1,7 @@
 """MCP tools in an env (``envs.make(id, mcp=...)``) and an env's tools as an MCP server.
 
 Tools from an MCP server: :func:`add_mcp_tools` connects to each server (see
-:mod:`tools.mcp_client` for the config and the connection's lifetime) and adds its tools to
+:mod:`areal_agents.tools.mcp_client` for the config and the connection's lifetime) and adds its tools to
 the env's own with :meth:`envs.AgentEnv.add_tools`. The model sees them in ``info["tools"]``
 of every reset; env-driven, a call runs in ``env.step`` like any tool, and its result, or its
 error (``"timeout"``, ``"tool_exception"``, ``"mcp_error"`` in ``info["tool_results"]`` and an
@@ -51,7 +51,7 @@ def add_mcp_tools(env: Any, servers: Any, *, where: str = "mcp") -> None:
         ConfigError: a malformed config, an env without ``add_tools`` (not an
             :class:`envs.AgentEnv`), or a server that cannot be started or reached.
     """
-    from tools.mcp_client import MCPServerConfig, connect
+    from areal_agents.tools.mcp_client import MCPServerConfig, connect
 
     configs = [servers] if isinstance(servers, Mapping) else servers
     if isinstance(configs, (str, bytes)) or not isinstance(configs, Sequence) or not configs:
@@ -103,7 +103,7 @@ class EnvToolServer:
     """
 
     def __init__(self, env_id: str, env_kwargs: Mapping[str, Any] | None = None, *, seed: int = 0):
-        from envs.registry import make
+        from areal_agents.envs.registry import make
 
         self.env_id = env_id
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the MCP wire

@@ -45,43 +45,43 @@ _plugins_loaded = False
 _BUILTINS: list[tuple[str, str, dict[str, Any], str]] = [
     (
         "areal/Math-v0",
-        "envs.math.env:MathEnv",
+        "areal_agents.envs.math.env:MathEnv",
         {},
         "GSM8K-style word problems, multi-turn, with a calculator (and optional python) tool",
     ),
     (
         "areal/Calculator-v0",
-        "envs.math.env:CalculatorEnv",
+        "areal_agents.envs.math.env:CalculatorEnv",
         {},
         "Two-turn calculator tool use: call calculator(expression), then answer",
     ),
     (
         "areal/Search-v0",
-        "envs.search.env:SearchEnv",
+        "areal_agents.envs.search.env:SearchEnv",
         {},
         "Multi-hop question answering over a local corpus with a retriever tool",
     ),
     (
         "areal/Research-v0",
-        "envs.search.research:ResearchEnv",
+        "areal_agents.envs.search.research:ResearchEnv",
         {},
         "Open-ended research questions over the search corpus: many facts, many turns",
     ),
     (
         "areal/Tau2Retail-v0",
-        "envs.tau2.env:Tau2Env",
+        "areal_agents.envs.tau2.env:Tau2Env",
         {"domain": "retail"},
         "tau2-style retail customer service with a simulated user; database-state reward",
     ),
     (
         "areal/Tau2Airline-v0",
-        "envs.tau2.env:Tau2Env",
+        "areal_agents.envs.tau2.env:Tau2Env",
         {"domain": "airline"},
         "tau2-style airline customer service with a simulated user; database-state reward",
     ),
     (
         "areal/Tasks-v0",
-        "envs.tasks.env:TasksEnv",
+        "areal_agents.envs.tasks.env:TasksEnv",
         {},
         "Your own tasks from a JSONL file (path=...), scored by your function (score='pkg.mod:fn')",
     ),
@@ -171,7 +171,7 @@ def make(id: str, **kwargs: Any) -> Any:
     """Create the env registered as ``id``; ``kwargs`` override the registered defaults.
 
     ``mcp`` is not passed to the env: it adds the tools of one MCP server (a mapping, see
-    :mod:`tools.mcp_client`) or of several (a list of mappings) to the env's own, in every
+    :mod:`areal_agents.tools.mcp_client`) or of several (a list of mappings) to the env's own, in every
     episode: ``make("areal/Search-v0", mcp={"command": ["python", "server.py"]})``, or
     ``env.kwargs.mcp`` in a training config.
 
@@ -186,7 +186,7 @@ def make(id: str, **kwargs: Any) -> Any:
     servers = kwargs.pop("mcp", None)
     env = gymnasium.make(id, disable_env_checker=True, **kwargs).unwrapped
     if servers is not None:
-        from envs.mcp import add_mcp_tools
+        from areal_agents.envs.mcp import add_mcp_tools
 
         try:
             add_mcp_tools(env, servers, where=f"env {id}: mcp")

@@ -109,7 +109,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path):
 
     import sqlalchemy as sa
 
-    from areal_agents.store import store_url as to_url
+    from areal_agents.serve.store import store_url as to_url
 
     name = "t_" + uuid.uuid4().hex[:12]
     admin = sa.create_engine(to_url(server), isolation_level="AUTOCOMMIT")
@@ -127,7 +127,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path):
 @pytest.fixture(scope="session")
 def qwen_chat_tokenizer():
     """The real Qwen3 chat tokenizer (no model): for proxies on the instant FakeEngine."""
-    from areal_agents.chat import ChatTokenizer
+    from areal_agents.serve.chat import ChatTokenizer
 
     return ChatTokenizer.from_dir(qwen_tokenizer_dir())
 
@@ -152,7 +152,7 @@ class CliRun:
 
 def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "areal_agents.cli", *args],
+        [sys.executable, "-m", "areal_agents.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

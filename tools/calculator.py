@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from areal_agents.errors import ToolError
-from tools.tool import function_tool
+from areal_agents.tools.tool import function_tool
 
 __all__ = ["CalculationError", "calculator", "evaluate", "format_number"]
 

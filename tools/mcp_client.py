@@ -17,7 +17,7 @@ described by a mapping, the same in a training config (``env.kwargs.mcp``), in
 Its tools are listed once when the connection opens and become :class:`MCPTool` objects:
 the tool schema the model sees is the server's (name, description, ``inputSchema`` as the
 JSON-schema parameters), and a call is validated against that schema like any
-:class:`~tools.tool.Tool` (a model mistake is an ``"Error: ..."`` result naming the expected
+:class:`~areal_agents.tools.tool.Tool` (a model mistake is an ``"Error: ..."`` result naming the expected
 arguments), then sent as ``tools/call``. The result's text content (and the text of embedded
 text resources) becomes the tool message; a result with only structured content gives its
 JSON; images, audio and binary resources are named, not inlined. ``isError`` gives an
@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_agents.errors import ConfigError
-from tools.tool import Tool, ToolResult, _BadArguments
+from areal_agents.tools.tool import Tool, ToolResult, _BadArguments
 
 __all__ = ["MCPConnection", "MCPServerConfig", "MCPTool", "connect", "mcp_tools"]
 

@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_agents.errors import UserError
-from tools.tool import Tool, ToolResult, function_tool
+from areal_agents.tools.tool import Tool, ToolResult, function_tool
 
 __all__ = [
     "ISOLATIONS",

@@ -1,20 +1,20 @@
 """RL training: advantages, the one policy loss, and the algorithms that configure it.
 
-``trainer.advantage`` turns returns into advantages (group baselines over episodes,
+``areal_agents.trainer.advantage`` turns returns into advantages (group baselines over episodes,
 GiGPO's step-level groups, GAE per token or per turn, loss weights, DAPO's helpers),
-``trainer.loss`` holds the decoupled PPO objective, the value loss and logprob helpers,
-``trainer.critic`` PPO's value model, ``trainer.algorithms`` names the family (GRPO,
+``areal_agents.trainer.loss`` holds the decoupled PPO objective, the value loss and logprob helpers,
+``areal_agents.trainer.critic`` PPO's value model, ``areal_agents.trainer.algorithms`` names the family (GRPO,
 Dr.GRPO, LitePPO, RLOO, GSPO, DAPO, PPO, REINFORCE++, SAPO, M2PO) as configurations of
 them::
 
-    from trainer import get_algorithm, completion_returns
+    from areal_agents.trainer import get_algorithm, completion_returns
 
     spec = get_algorithm("grpo")
     rows = completion_returns(episodes, gamma=1.0)
     adv = spec.advantage.group(rows.returns, rows.group_ids, rows.episode_ids, rows.roots)
     loss, stats = spec.loss.policy_loss(logp, behav_logp, prox_logp, token_adv, mask)
 
-The names below load lazily, so ``import trainer.config`` does not import torch.
+The names below load lazily, so ``import areal_agents.trainer.config`` does not import torch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .advantage import (
+    from areal_agents.trainer.advantage import (
         CompletionReturns,
         StepGroups,
         completion_returns,
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         turn_gae,
         whiten,
     )
-    from .algorithms import (
+    from areal_agents.trainer.algorithms import (
         ALGORITHMS,
         AdvantageSpec,
         AlgorithmSpec,
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
         check_async_correction,
         get_algorithm,
     )
-    from .critic import Critic, gae_inputs
-    from .loss import (
+    from areal_agents.trainer.critic import Critic, gae_inputs
+    from areal_agents.trainer.loss import (
         aggregate,
         approx_proximal_logp,
         entropy_from_logits,

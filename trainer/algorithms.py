@@ -4,7 +4,7 @@ Choices made:
 
 * An algorithm is data, not a class: an :class:`AlgorithmSpec` holds an
   :class:`AdvantageSpec` (how returns become advantages), a :class:`LossSpec` (how the one
-  decoupled PPO loss of :mod:`trainer.loss` is set) and a few flags (critic, dynamic
+  decoupled PPO loss of :mod:`areal_agents.trainer.loss` is set) and a few flags (critic, dynamic
   sampling, overlong penalty). ``ALGORITHMS`` maps names to specs; ``get_algorithm`` looks
   one up and suggests the nearest name on a typo.
 * Every algorithm is async-ready: the behaviour weight pi_prox / pi_behav is clipped at 5
@@ -33,8 +33,7 @@ from typing import Literal
 from torch import Tensor
 
 from areal_agents.errors import ConfigError
-
-from .advantage import (
+from areal_agents.trainer.advantage import (
     Baseline,
     Ids,
     Scale,
@@ -45,8 +44,8 @@ from .advantage import (
     overlong_penalty,
     step_group_advantages,
 )
-from .config import CRITIC_ESTIMATORS
-from .loss import LossSpec, _choice, _raise
+from areal_agents.trainer.config import CRITIC_ESTIMATORS
+from areal_agents.trainer.loss import LossSpec, _choice, _raise
 
 Estimator = Literal["group", "step_group", "gae", "turn_gae"]
 
@@ -310,7 +309,7 @@ def dapo() -> AlgorithmSpec:
 def ppo() -> AlgorithmSpec:
     """PPO: "Proximal Policy Optimization Algorithms" (Schulman et al., 2017) with GAE from
     "High-Dimensional Continuous Control Using Generalized Advantage Estimation" (2016).
-    V is a separate critic (``trainer.critic``), t runs over the sampled tokens of a sample::
+    V is a separate critic (``areal_agents.trainer.critic``), t runs over the sampled tokens of a sample::
 
         delta_t = r_t + gamma_t V(t+1) - V(t),     A_t = delta_t + gamma_t lam A_{t+1}
         r_t     = the reward of completion c at its last token (+ the final reward at a leaf)

@@ -15,12 +15,17 @@ from typing import Any
 
 import torch
 
+from areal_agents.trainer.advantage import completion_returns, completion_state_keys
+from areal_agents.trainer.algorithms import AlgorithmSpec, OverlongSpec
+from areal_agents.trainer.config import TrainConfig
+from areal_agents.trainer.critic import (
+    GaeInputs,
+    ValueLoss,
+    critic_targets,
+    gae_inputs,
+    turn_critic_targets,
+)
 from areal_agents.trajectory import UNMERGEABLE, Completion, Episode, TrainingSample
-
-from .advantage import completion_returns, completion_state_keys
-from .algorithms import AlgorithmSpec, OverlongSpec
-from .config import TrainConfig
-from .critic import GaeInputs, ValueLoss, critic_targets, gae_inputs, turn_critic_targets
 
 
 @dataclass(frozen=True)
@@ -299,7 +304,7 @@ def apply_overlong(
 
 def add_gae(batch: Batch, values: list[torch.Tensor], spec: AlgorithmSpec) -> dict[str, float]:
     """PPO: per-token advantages and returns of ``batch`` by GAE from the critic's ``values``
-    (``trainer.critic.critic_targets``; ``turn_critic_targets`` with ``advantage.estimator:
+    (``areal_agents.trainer.critic.critic_targets``; ``turn_critic_targets`` with ``advantage.estimator:
     turn_gae``, which also sets the value loss's ``value_mask`` and ``value_weights``);
     returns their metrics."""
     assert batch.gae is not None, "build_batch sets batch.gae for a critic algorithm"
@@ -448,7 +453,7 @@ class BatchLoss:
             assert batch.prox is not None
             prox = rows(batch.prox)
         else:
-            from .loss import approx_proximal_logp
+            from areal_agents.trainer.loss import approx_proximal_logp
 
             prox = approx_proximal_logp(behav, logp, rows(batch.versions), version + 1, version)
         tokens: dict[str, torch.Tensor] | None = {} if self.record else None

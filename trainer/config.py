@@ -36,7 +36,7 @@ from areal_agents.errors import ConfigError
 ALGORITHMS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "gspo", "dapo", "ppo", "reinforce_pp",
               "reinforce_pp_baseline", "sapo", "m2po")
 # fmt: on
-"""The values of ``TrainConfig.algorithm`` (``trainer.algorithms`` defines each)."""
+"""The values of ``TrainConfig.algorithm`` (``areal_agents.trainer.algorithms`` defines each)."""
 
 GROUP_ALGORITHMS = frozenset(ALGORITHMS) - {"ppo", "reinforce_pp"}
 """Algorithms whose advantages are normalized within a group: they need group_size >= 2."""
@@ -146,7 +146,7 @@ class ModelConfig(_Checked):
 @dataclass(frozen=True)
 class ContextConfig(_Checked):
     """What the proxy does with a conversation that outgrows ``model.max_context``, for
-    env-driven, in-process and external agents alike (:mod:`areal_agents.context`)."""
+    env-driven, in-process and external agents alike (:mod:`areal_agents.serve.context`)."""
 
     policy: Literal["fail", "truncate_tool_results", "summarize"] = "fail"
     """``fail``: the call is a 400 ``context_length_exceeded`` and the episode ends as
@@ -283,7 +283,7 @@ class RolloutConfig(_Checked):
     section's agent), or ``external``: agents in their own processes pull tasks from the
     worker API (the ``workers`` section) and call the proxy themselves, or
     ``self_rewarded``: no env; a service opens sessions in groups with the worker token,
-    posts their rewards and ends them (see ``trainer.rollout.SessionSource``)."""
+    posts their rewards and ends them (see ``areal_agents.trainer.rollout.SessionSource``)."""
     kv_on_update: Literal["recompute", "keep"] = "recompute"
     """What a weight update does with the engine's requests in flight (asynchronous runs):
     ``recompute`` drops their KV caches and re-prefills each with the new weights; ``keep``
@@ -347,7 +347,7 @@ class OptimConfig(_Checked):
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning rate after warmup: constant, or decayed (linearly or along a half cosine) to
     0 at total_steps; counted in training steps, every mini-batch of a step at the same rate
-    (formulas in ``trainer.schedule``). Logged as ``optim/lr``."""
+    (formulas in ``areal_agents.trainer.schedule``). Logged as ``optim/lr``."""
     total_steps: int | None = None
     """Length of the schedule in training steps; None = train.steps."""
 
@@ -436,9 +436,9 @@ class AdvantageConfig(_Checked):
     """group: the algorithm's baseline and scale over a group's episodes. step_group:
     GiGPO, that plus step-level groups, the turns of a group's episodes that start from the
     same state (the env's ``info["state_key"]``, else the prompt's last tool or user
-    messages), normalized together: A = A_E + omega * A_S (``trainer.advantage.
+    messages), normalized together: A = A_E + omega * A_S (``areal_agents.trainer.advantage.
     step_group_advantages``). gae: PPO's token-level GAE. turn_gae: GAE with one value per
-    turn boundary, ``critic.lam`` and ``rollout.gamma`` once per turn (``trainer.advantage.
+    turn boundary, ``critic.lam`` and ``rollout.gamma`` once per turn (``areal_agents.trainer.advantage.
     turn_gae``). group and step_group go with algorithms without a critic, gae and turn_gae
     with ppo."""
     omega: float | None = None
@@ -649,7 +649,7 @@ _CRITERION = re.compile(r"[A-Za-z][\w -]{0,39}")
 
 @dataclass(frozen=True)
 class JudgeConfig(_Checked):
-    """An LLM judge of the episodes' final answers (:mod:`trainer.judge`)."""
+    """An LLM judge of the episodes' final answers (:mod:`areal_agents.trainer.judge`)."""
 
     mode: Literal["none", "rubric", "ranking"] = "none"
     """``rubric``: each answer scored per criterion (weighted mean); ``ranking``: a group's
@@ -797,7 +797,7 @@ class MetricsConfig(_Checked):
 @dataclass(frozen=True)
 class AgentConfig(_Checked):
     """The user's agent, run in this process for every episode instead of the raw model
-    driving the env (see :mod:`areal_agents.task_agent`)."""
+    driving the env (see :mod:`areal_agents.rollout.task_agent`)."""
 
     factory: str | None = None
     """``"pkg.module:make_agent"`` (or ``"path/to/file.py:make_agent"``), called once with

@@ -26,18 +26,18 @@ Choices made:
   the values the advantages came from.
 * Turn-level GAE (``advantage.estimator: turn_gae``, ``turn_critic_targets``): the value of
   a turn is the critic's value at its first sampled token (the state of its prompt), GAE
-  runs over turns (``trainer.advantage.turn_gae``: gamma and lambda once per turn), every
+  runs over turns (``areal_agents.trainer.advantage.turn_gae``: gamma and lambda once per turn), every
   token of a turn gets its advantage, and the value loss trains the boundaries only, each
   with its turn's summed loss weight.
-* The value loss (``trainer.loss.value_loss``) uses the policy loss's per-token weights, so
+* The value loss (``areal_agents.trainer.loss.value_loss``) uses the policy loss's per-token weights, so
   each episode weighs the same in both losses.
 * The critic's rate ``critic.lr`` follows the policy's schedule (``optim.schedule``, its
-  warmup and decay; :mod:`trainer.schedule`) with ``critic.lr`` as its peak.
+  warmup and decay; :mod:`areal_agents.trainer.schedule`) with ``critic.lr`` as its peak.
 * ``save`` / ``load`` keep the trained tensors (the whole model, or the adapters and the
   head) and the optimizer state (``dcp/``, ``torch.distributed.checkpoint``: any number of
   ranks reads it) and the schedule's position; a checkpoint of the wrong shape is refused
   by name.
-* ``sharded``: one FSDP2 rank of several, as the policy (:mod:`trainer.fsdp`): the backbone's
+* ``sharded``: one FSDP2 rank of several, as the policy (:mod:`areal_agents.trainer.fsdp`): the backbone's
   layers and the root are sharded, gradients summed over ranks, and ranks with fewer
   micro-batches run dummies.
 
@@ -59,17 +59,15 @@ import torch
 from areal_agents import spans
 from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device
-
-from . import fsdp
-from .advantage import tree_gae, turn_gae, whiten
-from .loss import explained_variance
-from .policy import Packed, load_schedule, make_packed, pack, step_scheduler
-from .schedule import LrSchedule
+from areal_agents.trainer import fsdp
+from areal_agents.trainer.advantage import tree_gae, turn_gae, whiten
+from areal_agents.trainer.loss import explained_variance
+from areal_agents.trainer.policy import Packed, load_schedule, make_packed, pack, step_scheduler
+from areal_agents.trainer.schedule import LrSchedule
 
 if TYPE_CHECKING:
+    from areal_agents.trainer.algorithms import AdvantageSpec, LossSpec
     from areal_agents.trajectory import Episode, TrainingSample
-
-    from .algorithms import AdvantageSpec, LossSpec
 
 ValueLossFn = Callable[[list[int], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 """(item indices, per-item token values [len-1]) -> (loss, stats)."""

@@ -4,9 +4,9 @@ How a run is laid out:
 
 * :func:`launch` (:func:`run_ranks`) starts the ranks the way ``torchrun`` does, through
   ``torch.distributed``'s elastic agent (``elastic_launch``: c10d rendezvous on this
-  machine, no restarts), each rank ``python -m trainer.distributed CONFIG``. It waits for
+  machine, no restarts), each rank ``python -m areal_agents.trainer.distributed CONFIG``. It waits for
   them and turns a failed rank into :class:`RankFailed`, naming the rank and its error.
-* Rank 0 runs the whole :class:`~trainer.loop.Trainer`: the engine, the proxy, the group
+* Rank 0 runs the whole :class:`~areal_agents.trainer.loop.Trainer`: the engine, the proxy, the group
   source, the metrics and the checkpoints' run state. Its policy and critic are
   :class:`DistributedPolicy` / :class:`DistributedCritic`: the same methods as
   ``Policy`` / ``Critic``, each sent to every rank as a command with that rank's part of
@@ -15,7 +15,7 @@ How a run is laid out:
 * A training step's sequences are split by whole groups (:func:`group_parts`): contiguous
   runs of groups with about equal tokens per rank. The loss weights and advantages were
   computed over the whole batch before the split (``BatchLoss.select``), and gradients are
-  summed over ranks (:mod:`trainer.fsdp`), so the step is the one a single process takes.
+  summed over ranks (:mod:`areal_agents.trainer.fsdp`), so the step is the one a single process takes.
   Forward-only passes (proximal and reference logprobs, values) are split into contiguous
   runs of sequences of about equal tokens. A policy step whose loss records its tokens
   (``BatchLoss(record=True)``) returns each rank's records with its result, and rank 0 puts
@@ -56,10 +56,9 @@ import torch
 import torch.distributed as dist
 
 from areal_agents.errors import ArealError
-
-from . import fsdp
-from .critic import Critic
-from .policy import Policy, Temperature
+from areal_agents.trainer import fsdp
+from areal_agents.trainer.critic import Critic
+from areal_agents.trainer.policy import Policy, Temperature
 
 _PARENT_ENV = "AREAL_TRAINER_LAUNCHER_PID"
 log = logging.getLogger(__name__)
@@ -211,7 +210,7 @@ class _RankActor:
         """Where the ranks meet: this actor's node and a free port on it (rank 0 only)."""
         import ray
 
-        from areal_agents.server import free_port
+        from areal_agents.engines.launch import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
@@ -252,7 +251,7 @@ class RayRanks:
     def __init__(self, nproc: int, seed: int, timeout_s: float) -> None:
         import ray
 
-        from areal_agents.cluster import check_room, connect
+        from areal_agents.rollout.cluster import check_room, connect
 
         connect()
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= nproc else 0.0
@@ -504,10 +503,10 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _rank_main(argv: Sequence[str] | None) -> int:
-    from .config import load_config
-    from .loop import Trainer
+    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.loop import Trainer
 
-    p = argparse.ArgumentParser(prog="python -m trainer.distributed")
+    p = argparse.ArgumentParser(prog="python -m areal_agents.trainer.distributed")
     p.add_argument("config")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--quiet", action="store_true")
@@ -544,8 +543,7 @@ def launch(cfg: Any, *, resume: bool = False, quiet: bool = False) -> dict[str, 
     last-step metrics. A failed rank raises :class:`RankFailed`."""
     from areal_agents.errors import ConfigError
     from areal_agents.hardware import default_device
-
-    from .config import dump_yaml
+    from areal_agents.trainer.config import dump_yaml
 
     if cfg.train.cpu_offload and not default_device(cfg.model.device).startswith("cuda"):
         raise ConfigError(
@@ -555,7 +553,7 @@ def launch(cfg: Any, *, resume: bool = False, quiet: bool = False) -> dict[str, 
     with tempfile.TemporaryDirectory(prefix="areal-ranks-") as tmp:
         config, summary = Path(tmp) / "config.yaml", Path(tmp) / "summary.json"
         dump_yaml(cfg, config)
-        args = ["-m", "trainer.distributed", str(config), "--summary", str(summary)]
+        args = ["-m", "areal_agents.trainer.distributed", str(config), "--summary", str(summary)]
         run_ranks(cfg.train.nproc, args + ["--resume"] * resume + ["--quiet"] * quiet)
         return json.loads(summary.read_text())  # type: ignore[no-any-return]
 

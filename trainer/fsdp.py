@@ -3,7 +3,7 @@
 The step that N ranks compute is the step that one process computes:
 
 * Rank r holds a disjoint part S_r of the step's sequences (whole groups; see
-  :mod:`trainer.distributed`). The loss weights w_t are computed over the *whole* batch
+  :mod:`areal_agents.trainer.distributed`). The loss weights w_t are computed over the *whole* batch
   before the split, so the objective is one sum, ``L = sum_r sum_{t in S_r} w_t l_t``, and
   its gradient is the sum of the ranks' gradients, ``grad L = sum_r grad L_r``. FSDP2's
   reduce-scatter therefore sums (gradient divide factor 1, sum-only collectives), where

@@ -29,10 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_agents.errors import ConfigError
-from areal_agents.evaluate import EvalReport, evaluate
-from areal_agents.runner import Runner
-
-from .config import TrainConfig
+from areal_agents.rollout.evaluate import EvalReport, evaluate
+from areal_agents.rollout.runner import Runner
+from areal_agents.trainer.config import TrainConfig
 
 
 class HeldOut:
@@ -41,7 +40,7 @@ class HeldOut:
     def __init__(self, cfg: TrainConfig, out: Path) -> None:
         """Makes the held-out env once, so that a bad ``eval.env_kwargs`` fails before the
         first episode."""
-        from envs.registry import make
+        from areal_agents.envs.registry import make
 
         self.cfg = cfg
         self.path = out / "eval.json"

@@ -59,8 +59,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from areal_agents.errors import ConfigError
-
-from .config import RewardsConfig
+from areal_agents.trainer.config import RewardsConfig
 
 SCORE_MAX = 10.0
 TRACE_ARG_CHARS = 80
@@ -324,7 +323,7 @@ class ProxyBackend:
         group: str,
         top_logprobs: int = 0,
     ) -> Reply:
-        from areal_agents.proxy import ApiError
+        from areal_agents.serve.proxy import ApiError
 
         sessions = self.proxy.sessions
         session = sessions.create(group_id=f"judge-{group}", metadata={"judge": True})

@@ -3,33 +3,33 @@
 Choices made:
 
 * One process, one event loop. Rollout groups (``rollout.group_size`` episodes of one task)
-  come from a group source (:mod:`trainer.rollout`: the model driving the env, the user's
+  come from a group source (:mod:`areal_agents.trainer.rollout`: the model driving the env, the user's
   agent in this process, agents in their own processes through the worker API, or any of
   these on Ray), generated continuously through the recording proxy and the engine (its
   own worker thread), while the trainer trains (in a worker thread). The loop itself only
   takes the next batch, trains, syncs the weights, logs and checkpoints.
-* Staleness is bounded by AReaL's capacity rule (:mod:`trainer.staleness`); eta = 0 is the
+* Staleness is bounded by AReaL's capacity rule (:mod:`areal_agents.trainer.staleness`); eta = 0 is the
   synchronous baseline. Every output token carries its policy version; the metrics log how
   stale each consumed token was.
 * After each optimizer step the new weights (the LoRA adapter only, with LoRA) reach the
   engine, which interrupts generation in flight: later tokens carry the new version.
-* The loss is the decoupled PPO objective of the configured algorithm (:mod:`trainer.loss`,
-  :mod:`trainer.algorithms`): behaviour logprobs come from the engine, proximal logprobs
+* The loss is the decoupled PPO objective of the configured algorithm (:mod:`areal_agents.trainer.loss`,
+  :mod:`areal_agents.trainer.algorithms`): behaviour logprobs come from the engine, proximal logprobs
   from a recompute pass (``loss.proximal=recompute``) or the log-linear approximation, and
   the behaviour weight is always applied in async mode.
 * Advantages come from per-completion discounted returns along each episode's completion
   tree, normalized over the group's episodes by group id; by default every episode weighs
   the same, however many turns it has.
 * PPO (``spec.needs_critic``) instead takes per-token GAE advantages from a critic
-  (:mod:`trainer.critic`): its values before the step, rewards on each completion's last
+  (:mod:`areal_agents.trainer.critic`): its values before the step, rewards on each completion's last
   token, then one critic step on the clipped value loss after the policy step. The critic
   and its optimizer are checkpointed and resumed with the policy.
 * Data position: group g of the run uses env seed ``seed_base + g``. A checkpoint
-  (:mod:`trainer.checkpoint`) stores the groups consumed so far; on resume, every
+  (:mod:`areal_agents.trainer.checkpoint`) stores the groups consumed so far; on resume, every
   started-but-unconsumed group is generated again and nothing consumed is used twice.
 
 * ``train.nproc > 1`` (or ``train.fsdp``): the policy and critic are FSDP2 ranks
-  (:mod:`trainer.distributed`); this loop runs on rank 0 unchanged, its policy and critic
+  (:mod:`areal_agents.trainer.distributed`); this loop runs on rank 0 unchanged, its policy and critic
   then send each call to every rank with that rank's part of the batch.
 * After each step, what the loss did with every trained completion (its advantages, current
   and proximal logprobs, behaviour weights, clip flags, return and merge decision) goes to
@@ -57,14 +57,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from areal_agents import spans
-from areal_agents.chat import ChatTokenizer
-from areal_agents.embedded import FairLock
+from areal_agents.engines.embedded import FairLock
 from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device, pin_to_cpus, resolve_dtype
 from areal_agents.model import resolve_model
-
-from .algorithms import AlgorithmSpec, LossSpec, check_async_correction, get_algorithm
-from .batch import (
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.trainer.algorithms import (
+    AlgorithmSpec,
+    LossSpec,
+    check_async_correction,
+    get_algorithm,
+)
+from areal_agents.trainer.batch import (
     ADDITIVE_STATS,
     Batch,
     SampleTokens,
@@ -75,17 +79,22 @@ from .batch import (
     split_batch,
     train_token_rows,
 )
-from .checkpoint import RunState, append_ledger, restore_checkpoint, save_checkpoint
-from .config import LossConfig, TrainConfig, dump_yaml
-from .critic import Critic
-from .heldout import HeldOut
-from .metrics import MetricsWriter
-from .policy import Policy
-from .rollout import Group, build_rollout
-from .schedule import LrSchedule
+from areal_agents.trainer.checkpoint import (
+    RunState,
+    append_ledger,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from areal_agents.trainer.config import LossConfig, TrainConfig, dump_yaml
+from areal_agents.trainer.critic import Critic
+from areal_agents.trainer.heldout import HeldOut
+from areal_agents.trainer.metrics import MetricsWriter
+from areal_agents.trainer.policy import Policy
+from areal_agents.trainer.rollout import Group, build_rollout
+from areal_agents.trainer.schedule import LrSchedule
 
 if TYPE_CHECKING:
-    from areal_agents.runner import EpisodeResult
+    from areal_agents.rollout.runner import EpisodeResult
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +119,12 @@ class Trainer:
     def __init__(
         self, cfg: TrainConfig, *, resume: bool = False, quiet: bool = False, ranks: Any = None
     ) -> None:
-        """``ranks``: rank 0's command channel (``trainer.distributed.Ranks``) when the
+        """``ranks``: rank 0's command channel (``areal_agents.trainer.distributed.Ranks``) when the
         trainer is sharded (``train.nproc > 1`` or ``train.fsdp``); ``train`` sets it up."""
         if cfg.train.sharded and ranks is None:
             raise ConfigError(
                 f"train.nproc={cfg.train.nproc} (fsdp={cfg.train.fsdp}): the ranks are started "
-                "by trainer.loop.train or areal-agent train, not by Trainer itself"
+                "by areal_agents.trainer.loop.train or areal-agent train, not by Trainer itself"
             )
         self.ranks = ranks
         self.cfg = cfg
@@ -181,7 +190,7 @@ class Trainer:
             if critic_kw is not None:
                 critic = Critic(**critic_kw, compute_lock=lock)
             return Policy(**policy_kw, compute_lock=lock), critic
-        from .distributed import DistributedCritic, DistributedPolicy
+        from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy
 
         offload = {"cpu_offload": self.cfg.train.cpu_offload}
         policy = self.ranks.build("policy", "policy", {**policy_kw, **offload}, lock)
@@ -214,7 +223,7 @@ class Trainer:
         await self.source.start(version=self.state.step)
 
     async def _evaluate(self, label: str) -> dict[str, float]:
-        """The held-out evaluation (``eval``; :mod:`trainer.heldout`) of the weights the
+        """The held-out evaluation (``eval``; :mod:`areal_agents.trainer.heldout`) of the weights the
         engine holds now, as ``label``; its ``eval/*`` metrics."""
         if not self.held_out.enabled:
             return {}
@@ -232,9 +241,8 @@ class Trainer:
         (with an in-process agent, the way that agent's prompts look: ``observe_prompt``), or
         recorded episodes' training samples as they are (``sft.kind: episodes``). Runs on a
         thread of its own (the agent probe gets an event loop of its own there)."""
-        from areal_agents.task_agent import observe_prompt
-
-        from .sft import demo_tools, load_demos, load_episode_samples, run_sft
+        from areal_agents.rollout.task_agent import observe_prompt
+        from areal_agents.trainer.sft import demo_tools, load_demos, load_episode_samples, run_sft
 
         cfg = self.cfg
         if cfg.sft.kind == "episodes":  # recorded token ids: no env, template or agent
@@ -775,10 +783,10 @@ def _seed_everything(seed: int) -> None:
 def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to completion (blocking); returns the last step's metrics. A sharded
     trainer (``train.nproc > 1`` or ``train.fsdp``) runs on ranks that
-    ``trainer.distributed.launch`` starts, or on Ray actors (``RayRanks``) with
+    ``areal_agents.trainer.distributed.launch`` starts, or on Ray actors (``RayRanks``) with
     ``scheduler: ray``."""
     if cfg.train.sharded and cfg.scheduler == "ray":
-        from .distributed import RayRanks
+        from areal_agents.trainer.distributed import RayRanks
 
         ranks = RayRanks(cfg.train.nproc, cfg.train.seed, cfg.train.collective_timeout_s)
         try:
@@ -786,7 +794,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dic
         finally:
             ranks.stop()
     if cfg.train.sharded:
-        from .distributed import launch
+        from areal_agents.trainer.distributed import launch
 
         return launch(cfg, resume=resume, quiet=quiet)
     return asyncio.run(Trainer(cfg, resume=resume, quiet=quiet).run())

@@ -34,8 +34,7 @@ import torch
 from torch import Tensor
 
 from areal_agents.errors import ConfigError
-
-from .advantage import Ids, Reduce, Weighting, completion_weights
+from areal_agents.trainer.advantage import Ids, Reduce, Weighting, completion_weights
 
 RatioLevel = Literal["token", "sequence"]
 BehaviourCorrection = Literal["clip", "mask", "none"]

@@ -8,7 +8,7 @@ LoRA (peft), activation checkpointing, FSDP2 sharding and CPU offload. Notation:
 * ``P`` parameters (``h`` hidden, ``i`` intermediate, ``L`` layers, ``V`` vocabulary,
   ``q = heads * head_dim``, ``kv = kv_heads * head_dim``); ``N`` tokens of the micro-batch.
 * ``s`` bytes of a stored parameter, ``c`` bytes of the compute dtype: both the configured
-  dtype, except FSDP2 on CUDA with a 16-bit dtype, where ``trainer.fsdp`` keeps float32
+  dtype, except FSDP2 on CUDA with a 16-bit dtype, where ``areal_agents.trainer.fsdp`` keeps float32
   master weights (``s = 4``) and computes in the 16-bit dtype (``c = 2``). LoRA adapters
   are float32 (peft casts them), their gradients and moments too.
 * ``n`` ranks; sharded, every resident tensor below is divided by ``n``.
@@ -24,7 +24,7 @@ adapted linear modules with LoRA (base weights frozen: no gradient, no moments).
 AdamW keeps its moments in the parameter's dtype: float32 for the sharded CUDA master
 weights and for adapters, the configured dtype for an unsharded full fine-tune.
 
-Sharded (FSDP2, ``trainer.fsdp``): the root module (embeddings, final norm, an untied
+Sharded (FSDP2, ``areal_agents.trainer.fsdp``): the root module (embeddings, final norm, an untied
 ``lm_head``) stays all-gathered from its forward to the end of the backward, and decoder
 layers are all-gathered one at a time with the next one prefetched, so each rank also
 holds ``c * (P_root + 2 * P_layer)`` of unsharded parameters and ``c * (P_root_train +
@@ -567,14 +567,13 @@ def estimate_memory(
 def estimate_for_config(cfg: Any) -> MemoryEstimate:
     """:func:`estimate_memory` for a ``TrainConfig``: the model's ``config.json`` only (never
     its weights), the dtype the trainer would load (``model.dtype`` resolved as in
-    ``trainer.loop``), LoRA, activation checkpointing, ``train.micro_batch_tokens``,
+    ``areal_agents.trainer.loop``), LoRA, activation checkpointing, ``train.micro_batch_tokens``,
     ``train.nproc`` / ``sharded`` / ``cpu_offload``, a reference model when the KL weight
     (``loss.kl_coef``, else the algorithm's) is > 0 for a full fine-tune, and the critic of
     a critic algorithm (``critic.path``'s config, else the policy's)."""
     from areal_agents.hardware import default_device, resolve_dtype
-
-    from .algorithms import get_algorithm
-    from .config import CRITIC_ALGORITHMS
+    from areal_agents.trainer.algorithms import get_algorithm
+    from areal_agents.trainer.config import CRITIC_ALGORITHMS
 
     device = default_device(cfg.model.device)
     lora_cfg = cfg.model.lora

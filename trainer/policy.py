@@ -21,11 +21,11 @@ Choices made here:
   float32 over the full vocabulary (T = 1 for greedy), computed as
   ``logits[t] / T - logsumexp(logits / T)`` without materialising the full log-softmax.
 * LoRA through peft; weight sync then ships only the adapter tensors.
-* ``sharded``: the model is one FSDP2 data-parallel rank of several (:mod:`trainer.fsdp`):
+* ``sharded``: the model is one FSDP2 data-parallel rank of several (:mod:`areal_agents.trainer.fsdp`):
   each rank trains its own part of the batch, gradients are summed over ranks, and a rank
   with fewer micro-batches runs zero-loss dummies so that every rank enters every
   collective. The weights, checkpoints and the exported model are the same as one
-  process's. :mod:`trainer.distributed` sends each rank its part.
+  process's. :mod:`areal_agents.trainer.distributed` sends each rank its part.
 * Checkpoints hold the trained tensors and the optimizer state in
   ``torch.distributed.checkpoint`` form (``dcp/``, loadable by any number of ranks), plus
   the model or adapter as a transformers / peft directory (``model/``) for ``eval`` and
@@ -46,14 +46,13 @@ from typing import Any
 import torch
 
 from areal_agents import spans
-from areal_agents.engine import WeightUpdate
+from areal_agents.engines.protocol import WeightUpdate
 from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device
+from areal_agents.trainer import fsdp
+from areal_agents.trainer.loss import entropy_from_logits, scale_logits
+from areal_agents.trainer.schedule import LrSchedule
 from areal_agents.trajectory import common_prefix_len
-
-from . import fsdp
-from .loss import entropy_from_logits, scale_logits
-from .schedule import LrSchedule
 
 
 @dataclass
@@ -323,7 +322,7 @@ class Policy:
     ) -> None:
         """``sharded``: this process is one FSDP2 rank (the process group is initialised;
         see the module docstring), with ``cpu_offload`` of its shards to host memory.
-        ``schedule``: the learning-rate schedule with peak ``lr`` (:mod:`trainer.schedule`;
+        ``schedule``: the learning-rate schedule with peak ``lr`` (:mod:`areal_agents.trainer.schedule`;
         None = constant), advanced by :meth:`step_schedule` once per training step.
         ``reference``: keep the starting weights as the reference policy of a KL penalty
         (:meth:`ref_logprobs`). With LoRA that costs nothing (the base without the adapter
@@ -689,7 +688,7 @@ class Policy:
                 "can be resumed with any train.nproc)"
             )
         else:
-            from areal_agents.weights import apply_weight_update
+            from areal_agents.engines.weights import apply_weight_update
 
             path = str(d / "model")
             update = (

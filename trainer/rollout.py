@@ -6,7 +6,7 @@ under one group id) to the training loop, and owns everything about producing th
 * **Task sampling.** Group g of the run resets its env with seed ``seed_base + g``; episode i
   of group g samples with seed ``(seed_base + g) * G + i`` (env-driven episodes; probe or
   not), so a group is reproducible.
-* **The staleness gate** (:mod:`trainer.staleness`): a group starts only while
+* **The staleness gate** (:mod:`areal_agents.trainer.staleness`): a group starts only while
   ``running + accepted < (eta + version + 1) * batch_size``.
 * **The probe and dynamic sampling.** With ``rollout.probe_size = k``, k episodes run first
   and the group is dropped there when their rewards are all equal (``uniform_probe``);
@@ -51,13 +51,12 @@ import torch
 
 from areal_agents import spans
 from areal_agents.errors import ConfigError, SessionError
-from areal_agents.runner import EpisodeResult, Runner
-
-from .advantage import filter_uniform_groups
-from .checkpoint import RunState
-from .config import GROUP_ALGORITHMS, TrainConfig
-from .judge import make_judge
-from .staleness import StalenessGate
+from areal_agents.rollout.runner import EpisodeResult, Runner
+from areal_agents.trainer.advantage import filter_uniform_groups
+from areal_agents.trainer.checkpoint import RunState
+from areal_agents.trainer.config import GROUP_ALGORITHMS, TrainConfig
+from areal_agents.trainer.judge import make_judge
+from areal_agents.trainer.staleness import StalenessGate
 
 EnvFactory = Callable[[], Any]
 
@@ -120,7 +119,7 @@ class GroupSource:
         self.store: Any = None
         """The run's episode store (``RUN_DIR/episodes.db``), closed with the source."""
         self.judge: Any = None
-        """The run's :class:`trainer.judge.Judge` (``rewards.judge``): scores each finished
+        """The run's :class:`areal_agents.trainer.judge.Judge` (``rewards.judge``): scores each finished
         group before it is counted and checked."""
 
     make_env: EnvFactory | None = None
@@ -378,7 +377,7 @@ class AgentSource(EnvSource):
 
 class ExternalSource(AgentSource):
     """Agents in their own processes: a group's episodes become tasks on the worker API
-    (:mod:`areal_agents.workers`); a worker pulls one, runs its agent against the session,
+    (:mod:`areal_agents.rollout.workers`); a worker pulls one, runs its agent against the session,
     posts the final answer, and the env scores it. Tasks exist only for groups the gate
     admitted, so workers never run more than the gate's capacity."""
 
@@ -499,7 +498,7 @@ class SessionSource(GroupSource):
 
     # ------------------------------------------------------------------ session hooks
     def admit(self, body: Any) -> None:
-        from areal_agents.proxy import ApiError
+        from areal_agents.serve.proxy import ApiError
 
         name = body.group_id
         if self._closed or self.gate is None:
@@ -619,9 +618,9 @@ def build_rollout(
     quiet: bool = False,
 ) -> Rollout:
     """The engine and the group source that ``cfg`` asks for. Loads the agent factory and
-    makes one env and resets it with the first group's seed first (``envs.registry.probe``),
+    makes one env and resets it with the first group's seed first (``areal_agents.envs.registry.probe``),
     so that a bad factory or env config fails here, with its message, before any episode."""
-    from envs.registry import make, probe
+    from areal_agents.envs.registry import make, probe
 
     settings = SourceSettings.from_config(cfg, dynamic_sampling)
     env_id, kwargs = cfg.env.id, dict(cfg.env.kwargs)
@@ -643,7 +642,7 @@ def build_rollout(
 
     agent = None
     if cfg.agent.factory is not None:
-        from areal_agents.task_agent import load_agent
+        from areal_agents.rollout.task_agent import load_agent
 
         agent = load_agent(cfg.agent.factory, cfg.agent.kwargs, max_turns=cfg.rollout.max_turns)
     runner_kwargs: dict[str, Any] = {
@@ -659,11 +658,11 @@ def build_rollout(
         ray_source.judge = make_judge(cfg.rewards, None, out)  # over rewards.judge.base_url
         return Rollout(engine, ray_source)
 
-    from areal_agents.context import policy_of
-    from areal_agents.embedded import EmbeddedEngine
+    from areal_agents.engines.embedded import EmbeddedEngine
     from areal_agents.hardware import default_device, resolve_dtype
-    from areal_agents.proxy import Proxy
-    from areal_agents.store import EpisodeStore
+    from areal_agents.serve.context import policy_of
+    from areal_agents.serve.proxy import Proxy
+    from areal_agents.serve.store import EpisodeStore
 
     device = default_device(cfg.model.device)
     engine = EmbeddedEngine.from_pretrained(
@@ -693,7 +692,7 @@ def build_rollout(
     if agent is None and cfg.rollout.agents == "local":
         runner = Runner(proxy, **runner_kwargs)
         return _stored(engine, EnvSource(settings, state, runner, make_env), store, judge)
-    from areal_agents.server import LoopServer
+    from areal_agents.serve.server import LoopServer
 
     host, port = cfg.workers.host, cfg.workers.port
     if cfg.rollout.agents == "self_rewarded":
@@ -714,7 +713,7 @@ def build_rollout(
         return _stored(engine, source, store, judge)
     hub = None
     if external:
-        from areal_agents.workers import WorkerHub
+        from areal_agents.rollout.workers import WorkerHub
 
         port, token = _worker_endpoint(cfg, out)
         hub = WorkerHub(
@@ -754,7 +753,7 @@ def _worker_endpoint(cfg: TrainConfig, out: Path) -> tuple[int, str]:
     """The worker API's port and token: the config's, else those of an earlier start of this
     run (``workers.json``, so that ``--resume`` keeps them and connected workers go on), else
     a free port and ``$AREAL_WORKER_TOKEN`` or a new random token. Saved with mode 0600."""
-    from areal_agents.server import free_port
+    from areal_agents.engines.launch import free_port
 
     path = out / "workers.json"
     saved: dict[str, Any] = {}
@@ -777,7 +776,7 @@ def _worker_endpoint(cfg: TrainConfig, out: Path) -> tuple[int, str]:
 
 def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any]) -> Any:
     """``scheduler: ray``: the engine and the episodes run as Ray actors
-    (:mod:`areal_agents.cluster`, :mod:`areal_agents.ray_runner`) while the policy trains in
+    (:mod:`areal_agents.rollout.cluster`, :mod:`areal_agents.rollout.ray_runner`) while the policy trains in
     this process; new weights reach the engine actors through the object store.
 
     Joins ``$RAY_ADDRESS`` or a cluster started with ``ray start`` on this machine, else starts
@@ -785,9 +784,9 @@ def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any
     cluster has one; on the cores ``rollout.engine_cpus`` names); rollout workers: one per
     node, at least 2.
     """
-    from areal_agents.cluster import EmbeddedSpec, RayEngine, connect
     from areal_agents.hardware import default_device, resolve_dtype
-    from areal_agents.ray_runner import RayRunner
+    from areal_agents.rollout.cluster import EmbeddedSpec, RayEngine, connect
+    from areal_agents.rollout.ray_runner import RayRunner
 
     connect()
     spec = EmbeddedSpec(

@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 
-from areal_agents.chat import ChatTokenizer
 from areal_agents.errors import ConfigError
-
-from .policy import Policy
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.trainer.policy import Policy
 
 
 def _jsonl_rows(p: Path) -> Iterator[tuple[int, Any]]:

@@ -19,6 +19,6 @@ environment (``requirements/make_venv.sh NAME DIR`` builds one from
 
 from __future__ import annotations
 
-from . import camel, openai_agents
+from areal_agents.integrations import camel, openai_agents
 
 __all__ = ["camel", "openai_agents"]

@@ -9,7 +9,7 @@ Example (``pip install -r requirements/camel.txt``; CAMEL is imported lazily)::
 
     from camel.agents import ChatAgent
     from areal_agents.integrations.camel import as_function_tools, session_model
-    from tools import calculator
+    from areal_agents.tools import calculator
 
     session = proxy.sessions.create()
     agent = ChatAgent(
@@ -30,13 +30,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..chat import ChatTokenizer, load_tokenizer
+from areal_agents.serve.chat import ChatTokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from camel.models import BaseModelBackend
     from camel.toolkits import FunctionTool
 
-    from tools.tool import Tool
+    from areal_agents.tools.tool import Tool
 
 __all__ = ["OfflineTokenCounter", "as_function_tools", "session_model"]
 
@@ -44,7 +44,7 @@ __all__ = ["OfflineTokenCounter", "as_function_tools", "session_model"]
 class OfflineTokenCounter:
     """A CAMEL token counter (``camel.utils.BaseTokenCounter``) that needs no download.
 
-    With a tokenizer (a :class:`~areal_agents.chat.ChatTokenizer` or a model directory),
+    With a tokenizer (a :class:`~areal_agents.serve.chat.ChatTokenizer` or a model directory),
     counts are exact: the token ids the proxy's chat template gives the conversation. Without
     one, a token is a UTF-8 byte of the messages' JSON, an upper bound for byte-level BPE
     tokenizers, so CAMEL's context trimming errs on the safe side.
@@ -122,11 +122,13 @@ def as_function_tools(tools: Sequence[Tool]) -> list[FunctionTool]:
     from camel.toolkits import FunctionTool
 
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
-        raise TypeError(f"expected a list of tools.tool.Tool, got {type(tools).__name__}")
+        raise TypeError(
+            f"expected a list of areal_agents.tools.tool.Tool, got {type(tools).__name__}"
+        )
     out = []
     for tool in tools:
         if not all(hasattr(tool, a) for a in ("name", "description", "schema", "call")):
-            raise TypeError(f"expected a tools.tool.Tool, got {type(tool).__name__}")
+            raise TypeError(f"expected a areal_agents.tools.tool.Tool, got {type(tool).__name__}")
         out.append(FunctionTool(_caller(tool), openai_tool_schema=copy.deepcopy(tool.schema)))
     return out
 

@@ -13,7 +13,7 @@ Example (``pip install -r requirements/openai-agents.txt``; the SDK is imported 
 
     from agents import Agent
     from areal_agents.integrations.openai_agents import run_agent
-    from tools import calculator
+    from areal_agents.tools import calculator
 
     agent = Agent(name="solver", instructions="Use the calculator.")
     session = proxy.sessions.create()
@@ -47,7 +47,7 @@ with only the variables set, set ``OPENAI_AGENTS_DISABLE_TRACING=1`` as well.
 
 Pieces, for code that calls ``Runner.run`` itself: :func:`session_model` (the model to give
 ``Agent(model=...)`` or ``RunConfig(model=...)``) and :func:`as_function_tools` (our
-:class:`tools.tool.Tool` objects as SDK function tools).
+:class:`areal_agents.tools.tool.Tool` objects as SDK function tools).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from agents.items import TResponseInputItem
     from openai import AsyncOpenAI
 
-    from tools.tool import Tool
+    from areal_agents.tools.tool import Tool
 
 __all__ = [
     "as_function_tools",
@@ -89,7 +89,7 @@ _AGENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "areal_agents_openai_agent", default=None
 )
 """The name of the SDK agent whose model call is being made (set just before each call)."""
-AGENT_HEADER = "X-Areal-Agent"  # the proxy's areal_agents.proxy.AGENT_HEADER
+AGENT_HEADER = "X-Areal-Agent"  # the proxy's areal_agents.serve.proxy.AGENT_HEADER
 _install_lock = threading.Lock()
 _routing_client: AsyncOpenAI | None = None
 
@@ -266,7 +266,7 @@ async def run_agent(
         input: The user input (a string or a list of SDK input items).
         base_url: The proxy's OpenAI base URL, ending in ``/v1``.
         api_key: The session's API key.
-        tools: Extra tools (:class:`tools.tool.Tool`), e.g. the environment's.
+        tools: Extra tools (:class:`areal_agents.tools.tool.Tool`), e.g. the environment's.
         model: The model name sent with each request.
         max_turns: The SDK's turn limit; ``None`` keeps the SDK's default.
         context: The run context handed to tools and hooks.
@@ -335,10 +335,12 @@ async def _name_agent(request: Any) -> None:
 
 def _checked(tools: Sequence[Tool]) -> list[Tool]:
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
-        raise TypeError(f"expected a list of tools.tool.Tool, got {type(tools).__name__}")
+        raise TypeError(
+            f"expected a list of areal_agents.tools.tool.Tool, got {type(tools).__name__}"
+        )
     for tool in tools:
         if not all(hasattr(tool, a) for a in ("name", "description", "parameters", "acall")):
-            raise TypeError(f"expected a tools.tool.Tool, got {type(tool).__name__}")
+            raise TypeError(f"expected a areal_agents.tools.tool.Tool, got {type(tool).__name__}")
     return list(tools)
 
 

@@ -5,8 +5,8 @@ stores (:mod:`.sources`); :mod:`.queries` holds its reads of the store; :func:`i
 builds a store from an older run's ``episodes.jsonl``.
 """
 
-from .app import create_app
-from .importer import import_run
-from .sources import Run, RunSet
+from areal_agents.view.app import create_app
+from areal_agents.view.importer import import_run
+from areal_agents.view.sources import Run, RunSet
 
 __all__ = ["Run", "RunSet", "create_app", "import_run"]

@@ -35,9 +35,9 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from ..errors import ConfigError
-from . import queries
-from .sources import Run, RunSet
+from areal_agents.errors import ConfigError
+from areal_agents.view import queries
+from areal_agents.view.sources import Run, RunSet
 
 HERE = Path(__file__).parent
 COOKIE = "areal_view_token"

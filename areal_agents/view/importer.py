@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import ConfigError
+from areal_agents.errors import ConfigError
 
 __all__ = ["import_run"]
 
@@ -20,9 +20,9 @@ __all__ = ["import_run"]
 def import_run(run_dir: str | Path) -> dict[str, int]:
     """Import ``run_dir/episodes.jsonl`` into ``run_dir/episodes.db``; returns
     ``{imported, skipped, bad_lines}``."""
-    from ..session import Session
-    from ..store import EpisodeStore
-    from ..trajectory import episode_from_dict
+    from areal_agents.serve.session import Session
+    from areal_agents.serve.store import EpisodeStore
+    from areal_agents.trajectory import episode_from_dict
 
     run = Path(run_dir).expanduser()
     source = run / "episodes.jsonl"

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from ..store import completions, sessions
-from ..trajectory import merge_decisions, message_key, prompt_base
+from areal_agents.serve.store import completions, sessions
+from areal_agents.trajectory import merge_decisions, message_key, prompt_base
 
 if TYPE_CHECKING:
-    from ..store import EpisodeStore
-    from ..trajectory import Completion, Episode
+    from areal_agents.serve.store import EpisodeStore
+    from areal_agents.trajectory import Completion, Episode
 
 PAGE_SIZE = 50
 SORTS = {
@@ -100,7 +100,7 @@ class Filters:
 
 
 def _train_tokens_table() -> sa.Table | None:
-    from .. import store as store_module
+    from areal_agents.serve import store as store_module
 
     table = getattr(store_module, "train_tokens", None)
     return table if isinstance(table, sa.Table) else None

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ..errors import ConfigError
+from areal_agents.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..chat import ChatTokenizer
-    from ..store import EpisodeStore
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.serve.store import EpisodeStore
 
 __all__ = ["Run", "RunSet", "is_run_dir"]
 
@@ -237,7 +237,7 @@ class Run:
             location = self.store_location()
             if location is None:
                 return None
-            from ..store import EpisodeStore
+            from areal_agents.serve.store import EpisodeStore
 
             try:
                 self._store = EpisodeStore(location)
@@ -263,14 +263,14 @@ class Run:
         with self._lock:
             if self._tokenizer is not None or self._tokenizer_error is not None:
                 return self._tokenizer
-            from ..chat import ChatTokenizer
+            from areal_agents.serve.chat import ChatTokenizer
 
             candidates: list[str] = []
             final = self.file("final")
             if final is not None and (final / "tokenizer.json").exists():
                 candidates.append(str(final))
             if self.kind == "train":
-                from ..model import resolve_model
+                from areal_agents.model import resolve_model
 
                 try:
                     model = (self.config().get("model") or {}).get("path")

@@ -4,7 +4,7 @@
 An episode is one problem. Each assistant turn either calls tools (the env runs them and
 returns ``tool`` messages) or answers. An answer is the content of an assistant message
 without tool calls; its final answer is extracted (``\\boxed{}``, ``#### X``,
-"answer is X", else the last number; see :mod:`envs.math.answer`) and checked against
+"answer is X", else the last number; see :mod:`areal_agents.envs.math.answer`) and checked against
 the gold answer.
 
 Rewards (defaults in brackets), per step:
@@ -58,12 +58,18 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from envs.base import AgentEnv, Message
-from envs.math.answer import answers_match, extract_answer
-from envs.math.generator import ARITHMETIC_SHAPES, generate_task
-from envs.math.tasks import MathTask, TaskPool, cached_pool, load_jsonl, reasoning_gym_pool
-from tools.calculator import calculator
-from tools.tool import Tool
+from areal_agents.envs.base import AgentEnv, Message
+from areal_agents.envs.math.answer import answers_match, extract_answer
+from areal_agents.envs.math.generator import ARITHMETIC_SHAPES, generate_task
+from areal_agents.envs.math.tasks import (
+    MathTask,
+    TaskPool,
+    cached_pool,
+    load_jsonl,
+    reasoning_gym_pool,
+)
+from areal_agents.tools.calculator import calculator
+from areal_agents.tools.tool import Tool
 
 __all__ = ["CalculatorEnv", "MathEnv", "demos"]
 
@@ -236,7 +242,7 @@ class MathEnv(_AnswerEnv):
     """GSM8K-style word problems, multi-turn, with a calculator (and optional python) tool.
 
     Args:
-        split: ``"train"`` or ``"test"`` (disjoint by question; see :mod:`envs.math.tasks`).
+        split: ``"train"`` or ``"test"`` (disjoint by question; see :mod:`areal_agents.envs.math.tasks`).
         data_path: A GSM8K-format JSONL file to use instead of generated tasks.
         datasets: reasoning-gym datasets to draw from (interleaved).
         num_tasks: Pool size [5000 train, 500 test].
@@ -333,7 +339,7 @@ class CalculatorEnv(_AnswerEnv):
         grounded_ops_reward: Extra credit c_ops for that call when it also uses the
             operators of the task's solution (module docstring) [0.0].
         shape_weights: Relative weights of the arithmetic solution shapes
-            (:data:`~envs.math.generator.ARITHMETIC_SHAPES`; unnamed ones weigh 1), e.g.
+            (:data:`~areal_agents.envs.math.generator.ARITHMETIC_SHAPES`; unnamed ones weigh 1), e.g.
             ``{"(a+b)*c": 3, "(a-b)*c": 3}`` to train more on the parenthesized ones. The split
             is by question text, so a reweighted pool never holds a test question [uniform].
         feedback: Reply to a wrong answer when ``max_attempts > 1``.
@@ -501,7 +507,7 @@ def demos(
 
     Each is ``[system, user, assistant tool call, tool result, assistant answer]``, with the
     default system prompt of :class:`CalculatorEnv` (render the calculator's schema
-    ``tools.calculator.schema`` with them). Tasks are distinct, drawn from the train split
+    ``areal_agents.tools.calculator.schema`` with them). Tasks are distinct, drawn from the train split
     only (never a test question), in an order fixed by ``seed``.
 
     With ``balanced`` [True] every solution shape (the task's kind and its expression with

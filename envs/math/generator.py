@@ -19,8 +19,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 
-from envs.math.tasks import MathTask
-from tools.calculator import evaluate, format_number
+from areal_agents.envs.math.tasks import MathTask
+from areal_agents.tools.calculator import evaluate, format_number
 
 __all__ = [
     "ARITHMETIC_PHRASES",

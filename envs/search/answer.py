@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from envs.search.kb import QAExample
+from areal_agents.envs.search.kb import QAExample
 
 __all__ = [
     "exact_match",

@@ -12,7 +12,7 @@ token F1 (``reward="f1"``) against the accepted aliases; tool turns earn
 ``turn_reward`` (0 by default).
 
 Data: by default a procedurally generated knowledge base of fictional entities
-(:mod:`envs.search.kb`), so answers cannot be memorized; or any corpus (JSONL
+(:mod:`areal_agents.envs.search.kb`), so answers cannot be memorized; or any corpus (JSONL
 ``{"id", "title", "text"}``) with a QA file (JSONL ``{"question", "answer", "id"?}``).
 Questions are split into train and test by a seeded shuffle, or by the QA rows' own
 ``"split"`` field.
@@ -30,18 +30,24 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from areal_agents.errors import ToolError, UserError
-from envs.base import AgentEnv
-from envs.search.answer import (
+from areal_agents.envs.base import AgentEnv
+from areal_agents.envs.search.answer import (
     exact_match,
     extract_answer,
     f1_score,
     load_qa,
     split_examples,
 )
-from envs.search.kb import QAExample, generate_knowledge_base
-from tools.retriever import BM25Retriever, DenseRetriever, Document, Retriever, load_documents
-from tools.tool import Tool, function_tool
+from areal_agents.envs.search.kb import QAExample, generate_knowledge_base
+from areal_agents.errors import ToolError, UserError
+from areal_agents.tools.retriever import (
+    BM25Retriever,
+    DenseRetriever,
+    Document,
+    Retriever,
+    load_documents,
+)
+from areal_agents.tools.tool import Tool, function_tool
 
 __all__ = ["SYSTEM_PROMPT", "SearchEnv"]
 
@@ -70,7 +76,7 @@ class SearchEnv(AgentEnv):
         kb_questions: number of generated questions.
         hops: chain lengths of the generated questions.
         retriever: ``"bm25"``, ``"dense"`` (needs sentence-transformers), or a
-            :class:`tools.retriever.Retriever` built over the same corpus.
+            :class:`areal_agents.tools.retriever.Retriever` built over the same corpus.
         top_k: number of search results.
         reward: ``"em"`` (exact match) or ``"f1"`` (token F1) for the final answer.
         turn_reward: reward of each turn that calls tools.

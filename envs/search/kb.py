@@ -45,7 +45,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tools.retriever import Document
+from areal_agents.tools.retriever import Document
 
 __all__ = ["Entity", "KnowledgeBase", "QAExample", "generate_knowledge_base"]
 

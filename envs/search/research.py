@@ -1,7 +1,7 @@
 """``areal/Research-v0``: open-ended research questions over the Search env's knowledge base.
 
 Each task asks for several facts about one or two entities of the generated world
-(:mod:`envs.search.kb`), to be answered in a few sentences::
+(:mod:`areal_agents.envs.search.kb`), to be answered in a few sentences::
 
     Compare the companies Qorvalix and Drentek: who founded each of them, in which city
     was each founder born, and in which country is each company headquartered?
@@ -55,10 +55,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from envs.search.answer import normalize_answer
-from envs.search.env import SearchEnv
-from envs.search.kb import Entity, KnowledgeBase, QAExample, _aliases, generate_knowledge_base
-from tools.retriever import Retriever
+from areal_agents.envs.search.answer import normalize_answer
+from areal_agents.envs.search.env import SearchEnv
+from areal_agents.envs.search.kb import (
+    Entity,
+    KnowledgeBase,
+    QAExample,
+    _aliases,
+    generate_knowledge_base,
+)
+from areal_agents.tools.retriever import Retriever
 
 __all__ = ["KINDS", "RESEARCH_PROMPT", "Fact", "ResearchEnv", "ResearchTask", "draw_tasks"]
 
@@ -111,7 +117,7 @@ class ResearchEnv(SearchEnv):
         n_tasks: number of tasks to draw (evenly over ``kinds``; fewer when the world is
             too small to phrase that many distinct ones).
         kinds: which question kinds to draw (see :data:`KINDS`).
-        retriever: ``"bm25"``, ``"dense"`` or a :class:`tools.retriever.Retriever`.
+        retriever: ``"bm25"``, ``"dense"`` or a :class:`areal_agents.tools.retriever.Retriever`.
         top_k: number of search results.
         evidence_reward: reward of a tool turn per gold document it opens for the first
             time.

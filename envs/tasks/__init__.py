@@ -1,7 +1,7 @@
 """``areal/Tasks-v0``: train and evaluate on a JSONL file of tasks with your own score
 function, without writing a gym env.
 
-    >>> import envs
+    >>> from areal_agents import envs
     >>> env = envs.make("areal/Tasks-v0")  # the built-in example tasks, exact-match scoring
     >>> messages, info = env.reset(options={"task_index": 0})
     >>> info["task_id"], messages[-1]["content"]
@@ -9,13 +9,19 @@ function, without writing a gym env.
     >>> env.step({"role": "assistant", "content": "17 + 25 = 42.\\nAnswer: 42"})[1:3]
     (1.0, True)
 
-The task format is in :mod:`envs.tasks.data`, the score functions in
-:mod:`envs.tasks.scoring`, the episode in :mod:`envs.tasks.env`.
+The task format is in :mod:`areal_agents.envs.tasks.data`, the score functions in
+:mod:`areal_agents.envs.tasks.scoring`, the episode in :mod:`areal_agents.envs.tasks.env`.
 """
 
-from envs.tasks.data import Task, load_tasks, parse_tasks, select_split
-from envs.tasks.env import DEFAULT_SCORE, EXAMPLE_TASKS, TasksEnv
-from envs.tasks.scoring import exact_match, extract_answer, normalize, read_outcome, resolve_score
+from areal_agents.envs.tasks.data import Task, load_tasks, parse_tasks, select_split
+from areal_agents.envs.tasks.env import DEFAULT_SCORE, EXAMPLE_TASKS, TasksEnv
+from areal_agents.envs.tasks.scoring import (
+    exact_match,
+    extract_answer,
+    normalize,
+    read_outcome,
+    resolve_score,
+)
 
 __all__ = [
     "DEFAULT_SCORE",

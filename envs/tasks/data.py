@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_agents.envs.spaces import message_problem
 from areal_agents.errors import ConfigError, ToolError
-from envs.spaces import message_problem
-from tools.tool import Tool
+from areal_agents.tools.tool import Tool
 
 __all__ = ["RESERVED_FIELDS", "Task", "load_tasks", "parse_tasks", "select_split"]
 

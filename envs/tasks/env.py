@@ -6,7 +6,7 @@ In a training or evaluation config::
       id: areal/Tasks-v0
       kwargs: {path: tasks.jsonl, score: "my_pkg.rewards:score"}
 
-with one task per line (format: :mod:`envs.tasks.data`) and, in ``my_pkg/rewards.py``::
+with one task per line (format: :mod:`areal_agents.envs.tasks.data`) and, in ``my_pkg/rewards.py``::
 
     def score(task, final_answer, episode):
         return final_answer.strip() == task["answer"]
@@ -20,7 +20,7 @@ the gold answer.
 
 Env-driven episodes: the first assistant message without tool calls ends the episode
 (``terminated``) and is scored by ``fn(task, final_answer, episode)`` (see
-:mod:`envs.tasks.scoring` for the arguments and the accepted return values); the reward
+:mod:`areal_agents.envs.tasks.scoring` for the arguments and the accepted return values); the reward
 is given on that step and ``info["success"]`` is ``reward > 0`` unless the function says
 otherwise. The tools of a task are schemas only: the model sees them, and a call gets a
 ``tool`` message "Error: the tool ... has no implementation in this environment" (error
@@ -38,7 +38,7 @@ imported) raise a :class:`areal_agents.errors.ConfigError` at once.
 
 Without ``path`` the env uses a small built-in file (``envs/tasks/example.jsonl``:
 arithmetic questions with an ``answer``) and the built-in exact-match scorer
-``envs.tasks.scoring:exact_match``, so ``make("areal/Tasks-v0")`` works as it is.
+``areal_agents.envs.tasks.scoring:exact_match``, so ``make("areal/Tasks-v0")`` works as it is.
 """
 
 from __future__ import annotations
@@ -49,17 +49,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from areal_agents.envs.base import AgentEnv, Message
+from areal_agents.envs.tasks.data import Task, load_tasks, select_split
+from areal_agents.envs.tasks.scoring import ScoreFn, read_outcome, resolve_score
 from areal_agents.errors import ConfigError, EnvError, UserError
-from envs.base import AgentEnv, Message
-from envs.tasks.data import Task, load_tasks, select_split
-from envs.tasks.scoring import ScoreFn, read_outcome, resolve_score
 
 __all__ = ["DEFAULT_SCORE", "EXAMPLE_TASKS", "TasksEnv"]
 
 EXAMPLE_TASKS = Path(__file__).with_name("example.jsonl")
 """The built-in task file used when no ``path`` is given."""
 
-DEFAULT_SCORE = "envs.tasks.scoring:exact_match"
+DEFAULT_SCORE = "areal_agents.envs.tasks.scoring:exact_match"
 """The built-in scorer used with the built-in task file."""
 
 
@@ -67,7 +67,7 @@ class TasksEnv(AgentEnv):
     """Your own tasks from a JSONL file, scored by your function (``module:fn``).
 
     Args:
-        path: The JSONL task file (one task per line; see :mod:`envs.tasks.data`). A
+        path: The JSONL task file (one task per line; see :mod:`areal_agents.envs.tasks.data`). A
             relative path is read from the current directory. ``None`` uses the built-in
             example file.
         score: The score function, ``"package.module:function"`` (imported when the env is
@@ -75,7 +75,7 @@ class TasksEnv(AgentEnv):
             with ``path``; ``None`` without it means :data:`DEFAULT_SCORE`.
         split: ``"all"`` [default], or the tasks whose ``split`` field has this value; for
             tasks without ``split`` fields, ``"train"`` or ``"test"`` of a seeded shuffle
-            (see :func:`envs.tasks.data.select_split`).
+            (see :func:`areal_agents.envs.tasks.data.select_split`).
         split_seed: Seed of that shuffle.
         test_fraction: Share of the tasks in the shuffled ``"test"`` split.
         system_prompt: A system message for the tasks that have none (no default).

@@ -3,7 +3,7 @@ update reservations; send certificates.
 
 Each tool has the benchmark's name, arguments, effect on the database and error conditions
 (the same messages, read by the agent as ``Error: ...``). Every tool takes the episode's
-:class:`~envs.tau2.db.Database` as the bound parameter ``db``; :func:`airline_tools` binds
+:class:`~areal_agents.envs.tau2.db.Database` as the bound parameter ``db``; :func:`airline_tools` binds
 them to one episode. Write tools check everything before they change anything, so a failed
 call leaves the database as it was. As in the benchmark, "now" is 2024-05-15 15:00 EST,
 new reservations get the ids HATHAT, HATHAU, HATHAV and new certificates the ids
@@ -20,10 +20,9 @@ import copy
 import datetime as dt
 from typing import Any, Literal
 
-from tools.tool import Tool, function_tool
-
-from .db import Database, Record
-from .generic import GENERIC_TOOLS, dump, fail
+from areal_agents.envs.tau2.db import Database, Record
+from areal_agents.envs.tau2.generic import GENERIC_TOOLS, dump, fail
+from areal_agents.tools.tool import Tool, function_tool
 
 WRITE_TOOLS = frozenset(
     {

@@ -8,11 +8,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tools.tool import Tool
-
-from . import airline, retail
-from .data import DOMAINS, DomainData, Task, load_domain
-from .db import Database
+from areal_agents.envs.tau2 import airline, retail
+from areal_agents.envs.tau2.data import DOMAINS, DomainData, Task, load_domain
+from areal_agents.envs.tau2.db import Database
+from areal_agents.tools.tool import Tool
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ Registered as ``areal/Tau2Retail-v0`` and ``areal/Tau2Airline-v0``. One episode 
 3. The episode ends (``terminated``) when the customer writes ``###STOP###``,
    ``###TRANSFER###`` or ``###OUT-OF-SCOPE###``, when the agent calls
    ``transfer_to_human_agents``, or when the agent writes ``###STOP###``. The final reward
-   is the benchmark's (see :mod:`envs.tau2.reward`). It is ``truncated`` after
+   is the benchmark's (see :mod:`areal_agents.envs.tau2.reward`). It is ``truncated`` after
    ``max_turns`` assistant messages (reward 0).
 
 A user-simulator failure is data, not an exception: the episode ends with reward 0 and
@@ -19,7 +19,7 @@ A user-simulator failure is data, not an exception: the episode ends with reward
 first message is reported in ``reset``'s info and ends the episode at the first step.
 
 Example:
-    >>> from envs.tau2 import ScriptedUserSimulator, Tau2Env
+    >>> from areal_agents.envs.tau2 import ScriptedUserSimulator, Tau2Env
     >>> env = Tau2Env("retail", user_simulator=ScriptedUserSimulator(["Hi", "###STOP###"]))
     >>> obs, info = env.reset(options={"task_id": "0"})  # doctest: +SKIP
 """
@@ -31,15 +31,14 @@ import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
+from areal_agents.envs.base import AgentEnv
+from areal_agents.envs.tau2.data import DOMAINS, Task
+from areal_agents.envs.tau2.db import Database
+from areal_agents.envs.tau2.domain import Domain, get_domain
+from areal_agents.envs.tau2.generic import TRANSFER_TOOL
+from areal_agents.envs.tau2.reward import RewardInfo, dense_write_credit, evaluate
+from areal_agents.envs.tau2.user import GREETING, STOP, LLMUserSimulator, UserSimulator, stop_token
 from areal_agents.errors import ConfigError, UserError
-from envs.base import AgentEnv
-
-from .data import DOMAINS, Task
-from .db import Database
-from .domain import Domain, get_domain
-from .generic import TRANSFER_TOOL
-from .reward import RewardInfo, dense_write_credit, evaluate
-from .user import GREETING, STOP, LLMUserSimulator, UserSimulator, stop_token
 
 T = TypeVar("T")
 Message = dict[str, Any]
@@ -82,8 +81,8 @@ class Tau2Env(AgentEnv):
         domain: ``"retail"`` or ``"airline"``.
         split: ``"train"``, ``"test"`` (the benchmark's ``split_tasks.json``), ``"base"`` or
             ``None`` (all tasks).
-        user_simulator: Plays the customer: an :class:`~envs.tau2.user.LLMUserSimulator`
-            or a :class:`~envs.tau2.user.ScriptedUserSimulator`. Required before ``reset``
+        user_simulator: Plays the customer: an :class:`~areal_agents.envs.tau2.user.LLMUserSimulator`
+            or a :class:`~areal_agents.envs.tau2.user.ScriptedUserSimulator`. Required before ``reset``
             unless ``user_base_url`` is given.
         user_base_url: Instead of ``user_simulator`` (for settings that are plain data:
             ``--env-kwargs``, ``env.kwargs``): an OpenAI-compatible base URL whose model

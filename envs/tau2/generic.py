@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from areal_agents.errors import ToolError
-from tools.tool import Tool, function_tool
+from areal_agents.tools.tool import Tool, function_tool
 
 TRANSFER_TOOL = "transfer_to_human_agents"
 """The tool whose call hands the conversation to a human: it ends the episode."""

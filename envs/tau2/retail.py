@@ -3,7 +3,7 @@ exchange.
 
 Each tool has the benchmark's name, arguments, effect on the database and error conditions
 (the same messages, read by the agent as ``Error: ...``). Every tool takes the episode's
-:class:`~envs.tau2.db.Database` as the bound parameter ``db``; :func:`retail_tools` binds
+:class:`~areal_agents.envs.tau2.db.Database` as the bound parameter ``db``; :func:`retail_tools` binds
 them to one episode. Write tools check everything before they change anything, so a failed
 call leaves the database as it was.
 
@@ -17,10 +17,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from tools.tool import Tool, function_tool
-
-from .db import Database, Record
-from .generic import GENERIC_TOOLS, dump, fail
+from areal_agents.envs.tau2.db import Database, Record
+from areal_agents.envs.tau2.generic import GENERIC_TOOLS, dump, fail
+from areal_agents.tools.tool import Tool, function_tool
 
 WRITE_TOOLS = frozenset(
     {

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .data import Task
-from .db import Database
-from .domain import Domain
+from areal_agents.envs.tau2.data import Task
+from areal_agents.envs.tau2.db import Database
+from areal_agents.envs.tau2.domain import Domain
 
 SUPPORTED_BASES = frozenset({"DB", "COMMUNICATE"})
 

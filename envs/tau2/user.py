@@ -22,9 +22,8 @@ import abc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from areal_agents.envs.tau2.data import Task
 from areal_agents.errors import EnvError
-
-from .data import Task
 
 STOP = "###STOP###"
 TRANSFER = "###TRANSFER###"

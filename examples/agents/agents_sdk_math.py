@@ -12,11 +12,10 @@ import functools
 
 from agents import Agent, MaxTurnsExceeded, ModelSettings, function_tool
 
-import envs
-from areal_agents import ChatTokenizer, EmbeddedEngine, Proxy, ProxyServer, resolve_model
-from areal_agents.evaluate import evaluate
+from areal_agents import ChatTokenizer, EmbeddedEngine, Proxy, ProxyServer, envs, resolve_model
 from areal_agents.integrations.openai_agents import run_agent
-from areal_agents.runner import AgentTask, Runner
+from areal_agents.rollout.evaluate import evaluate
+from areal_agents.rollout.runner import AgentTask, Runner
 
 
 @function_tool

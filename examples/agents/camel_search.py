@@ -14,7 +14,7 @@ import os
 import httpx
 from camel.agents import ChatAgent
 
-import envs
+from areal_agents import envs
 from areal_agents.integrations.camel import as_function_tools, session_model
 
 

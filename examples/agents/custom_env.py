@@ -6,9 +6,9 @@ Run: ``python examples/agents/custom_env.py --episodes 4`` (0 episodes: no evalu
 
 import argparse
 
-import envs
-from areal_agents import cli
-from tools import function_tool
+from areal_agents import envs
+from areal_agents.cli import main as cli
+from areal_agents.tools import function_tool
 
 
 @function_tool(state_params=["secret"])

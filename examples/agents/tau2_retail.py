@@ -11,11 +11,10 @@ import argparse
 import asyncio
 import secrets
 
-import envs
-from areal_agents import ChatTokenizer, EmbeddedEngine, Proxy, ProxyServer, resolve_model
-from areal_agents.evaluate import evaluate
-from areal_agents.runner import Runner
-from envs.tau2 import LLMUserSimulator
+from areal_agents import ChatTokenizer, EmbeddedEngine, Proxy, ProxyServer, envs, resolve_model
+from areal_agents.envs.tau2 import LLMUserSimulator
+from areal_agents.rollout.evaluate import evaluate
+from areal_agents.rollout.runner import Runner
 
 
 def said(message: dict) -> str:

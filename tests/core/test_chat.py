@@ -12,9 +12,14 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models
 
-from areal_agents.chat import ChatTokenizer, format_tool_call, load_tokenizer, render_tool_prompt
 from areal_agents.errors import ModelNotFound
-from areal_agents.toolcall import parse_tool_calls
+from areal_agents.serve.chat import (
+    ChatTokenizer,
+    format_tool_call,
+    load_tokenizer,
+    render_tool_prompt,
+)
+from areal_agents.serve.toolcall import parse_tool_calls
 
 
 def package_dir(name: str) -> Path:
@@ -535,8 +540,8 @@ def test_bad_tools_get_clear_errors(qwen):
 def test_no_torch_import(qwen_dir):
     code = (
         "import sys\n"
-        "from areal_agents.chat import load_tokenizer\n"
-        "import areal_agents.toolcall\n"
+        "from areal_agents.serve.chat import load_tokenizer\n"
+        "import areal_agents.serve.toolcall\n"
         f"tok = load_tokenizer({str(qwen_dir)!r})\n"
         "tok.encode_chat([{'role': 'user', 'content': 'hi'}], tools=[])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

@@ -11,7 +11,7 @@ import pytest
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "areal_agents.cli", *args],
+        [sys.executable, "-m", "areal_agents.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -176,7 +176,7 @@ def test_demos_for_an_agent_look_like_its_prompts(tmp_path, tiny_model_dir):
     from pathlib import Path
 
     pytest.importorskip("agents")
-    from trainer.sft import demo_tools, load_demos
+    from areal_agents.trainer.sft import demo_tools, load_demos
 
     example = Path(__file__).resolve().parents[2] / "examples/agents/train_agents_sdk.py"
     path = tmp_path / "d.jsonl"

@@ -12,7 +12,7 @@ by its section:
   (``o = cfg.optim`` then ``o.warmup_steps``);
 * ``getattr(<...>.<section>, "<name>"``;
 * top-level keys: ``cfg.<name>``;
-* the ``loss.*`` keys that ``trainer.loop.LOSS_OVERRIDES`` copies into the algorithm's
+* the ``loss.*`` keys that ``areal_agents.trainer.loop.LOSS_OVERRIDES`` copies into the algorithm's
   ``LossSpec`` by name (``getattr(cfg.loss, n) for n in LOSS_OVERRIDES``).
 """
 
@@ -23,7 +23,7 @@ import re
 import typing
 from pathlib import Path
 
-from trainer.config import TrainConfig
+from areal_agents.trainer.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("areal_agents", "trainer", "envs", "tools")
@@ -67,7 +67,7 @@ def _is_read(key: str, text: str) -> bool:
     if not parents:
         return re.search(rf"\bcfg\.{n}\b", text) is not None
     if parents == ["loss"]:
-        from trainer.loop import LOSS_OVERRIDES
+        from areal_agents.trainer.loop import LOSS_OVERRIDES
 
         if name in LOSS_OVERRIDES:
             return True

@@ -1,5 +1,5 @@
 """Conversations that outgrow the model's context: the proxy's context policies
-(``areal_agents.context``) on the real Qwen3 chat tokenizer, with a scripted engine that
+(``areal_agents.serve.context``) on the real Qwen3 chat tokenizer, with a scripted engine that
 records every generation it makes, so that what is trained can be checked against what was
 sampled, token by token."""
 
@@ -14,21 +14,21 @@ from typing import Any
 import httpx
 import pytest
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.context import (
+from areal_agents.engines.protocol import GenerateResult, SamplingParams
+from areal_agents.errors import ConfigError
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.context import (
     SUMMARY_INSTRUCTION,
     SUMMARY_PREFIX,
     ContextPolicy,
     truncation_marker,
     turn_bounds,
 )
-from areal_agents.engine import GenerateResult, SamplingParams
-from areal_agents.errors import ConfigError
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import ApiError, Proxy
-from areal_agents.server import ProxyServer
-from areal_agents.session import Session
-from areal_agents.store import EpisodeStore
+from areal_agents.serve.proxy import ApiError, Proxy
+from areal_agents.serve.server import ProxyServer
+from areal_agents.serve.session import Session
+from areal_agents.serve.store import EpisodeStore
+from areal_agents.testing.fake_engine import FakeEngine
 from areal_agents.trajectory import Completion, Episode, episode_from_dict
 
 TOOLS = [
@@ -252,7 +252,7 @@ async def test_summaries_keep_a_long_episode_going(tok, trained):
     assert all((c.id in in_samples) is trained for c in calls)
     check_recorded_as_sampled(ep, engine, tok)
     # the trainer's returns take the episode's return from its own root only
-    from trainer.advantage import completion_returns
+    from areal_agents.trainer.advantage import completion_returns
 
     ep.group_id = "g"
     rows = completion_returns([ep])
@@ -327,7 +327,7 @@ async def test_fail_is_the_default_and_answers_context_length_exceeded(tok):
 
 
 async def test_the_runner_ends_an_overflowing_episode_as_context_overflow(tok):
-    from areal_agents.runner import Runner
+    from areal_agents.rollout.runner import Runner
 
     class Reader:
         """A tiny env: every action is answered with a long tool result."""
@@ -357,7 +357,7 @@ async def test_the_runner_ends_an_overflowing_episode_as_context_overflow(tok):
 
 
 def test_config_and_policy_errors_name_the_fix(tok):
-    from trainer.config import load_config
+    from areal_agents.trainer.config import load_config
 
     def problems(*overrides: str) -> list[str]:
         with pytest.raises(ConfigError) as err:
@@ -396,7 +396,7 @@ def test_config_and_policy_errors_name_the_fix(tok):
         in problems("context.policy=truncate_tool_results", "scheduler=ray")[0]
     )
     cfg = load_config(None, ["env.id=areal/Calculator-v0", "context.policy=summarize"])
-    from areal_agents.context import policy_of
+    from areal_agents.serve.context import policy_of
 
     assert policy_of(cfg) == ContextPolicy(policy="summarize")
 
@@ -467,7 +467,7 @@ def test_records_from_before_the_rewrite_columns_still_load(tmp_path: Path):
     from alembic import command
     from alembic.config import Config
 
-    from areal_agents import store as store_module
+    from areal_agents.serve import store as store_module
 
     path = tmp_path / "old.db"
     engine = store_module._make_engine(store_module.store_url(path))

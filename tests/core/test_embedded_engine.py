@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_agents.embedded import EmbeddedEngine
-from areal_agents.engine import SamplingParams, WeightUpdate
+from areal_agents.engines.embedded import EmbeddedEngine
+from areal_agents.engines.protocol import SamplingParams, WeightUpdate
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ async def test_prefix_cache_reuses_shared_prompts_exactly(tiny_model_dir, hf_mod
         )
         state = {k: v.clone() for k, v in hf_model.state_dict().items()}
         state["model.norm.weight"] = state["model.norm.weight"] * 1.5
-        from areal_agents.engine import WeightUpdate
+        from areal_agents.engines.protocol import WeightUpdate
 
         await eng.update_weights(WeightUpdate(state_dict=state))
         before = (await eng.health())["prefix_hit_tokens"]
@@ -171,7 +171,7 @@ def test_batch_kv_layer_matches_left_padded_concatenation():
     """The batch cache's in-place buffers hold exactly what concatenating left-padded rows
     would: through joins of shorter and longer rows, decode steps, retirements that move the
     last row into the hole, and trimming of all-padding columns (buffers regrow as needed)."""
-    from areal_agents.embedded import _batch_layer_class
+    from areal_agents.engines.embedded import _batch_layer_class
 
     gen = torch.Generator().manual_seed(0)
 
@@ -224,7 +224,7 @@ def test_batch_kv_layer_matches_left_padded_concatenation():
 
 
 def test_inverse_cdf_sampling_hand_computed_and_distribution():
-    from areal_agents.embedded import _sample_rows, _truncate
+    from areal_agents.engines.embedded import _sample_rows, _truncate
 
     # P = (0.1, 0.2, 0, 0.7): C = (0.1, 0.3, 0.3, 1.0); u picks the first i with u < C[i]
     probs = torch.tensor([0.1, 0.2, 0.0, 0.7])
@@ -266,7 +266,7 @@ def test_sliced_output_projection_equals_the_plain_one():
     """On CPU the engine computes the vocabulary projection in slices of its weight's rows:
     the same logits as one matmul, the weight (tied to the embeddings here) and the state
     dict untouched, so weight updates still reach it."""
-    from areal_agents.embedded import _LOGIT_SLICE, _slice_output_projection
+    from areal_agents.engines.embedded import _LOGIT_SLICE, _slice_output_projection
 
     torch.manual_seed(0)
     vocab = 4 * _LOGIT_SLICE + 77  # a last slice shorter than the others
@@ -290,7 +290,7 @@ def test_sliced_output_projection_equals_the_plain_one():
 
 
 def test_small_vocabularies_keep_the_plain_projection():
-    from areal_agents.embedded import _slice_output_projection
+    from areal_agents.engines.embedded import _slice_output_projection
 
     model = _one_layer_llama(256, tie=False)
     _slice_output_projection(model)
@@ -303,7 +303,7 @@ def test_cascade_attention_equals_attention_over_the_whole_row():
     over the row's real tokens, with grouped-query heads."""
     from types import SimpleNamespace
 
-    from areal_agents import embedded as E
+    from areal_agents.engines import embedded as E
 
     torch.manual_seed(0)
     rows, heads, kv_heads, dim, n = 3, 6, 2, 8, 5

@@ -24,11 +24,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.server import ProxyServer
-from areal_agents.workers import WorkerHub
+from areal_agents.rollout.workers import WorkerHub
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.serve.server import ProxyServer
+from areal_agents.testing.fake_engine import FakeEngine
 
 schemathesis = pytest.importorskip("schemathesis")
 openai_types = pytest.importorskip("openai.types.chat")
@@ -68,7 +68,7 @@ class Target:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    from areal_agents.store import EpisodeStore
+    from areal_agents.serve.store import EpisodeStore
 
     tok = ChatTokenizer.from_dir(_tokenizer_dir())
     store = EpisodeStore(tmp_path_factory.mktemp("fuzz") / "episodes.db")

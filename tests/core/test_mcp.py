@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("mcp.client.client", reason="needs the mcp package, 2.x")
 
-import envs
+from areal_agents import envs
 from areal_agents.errors import ConfigError
-from tools.mcp_client import MCPConnection, MCPServerConfig, connect
-from tools.tool import Tool
+from areal_agents.tools.mcp_client import MCPConnection, MCPServerConfig, connect
+from areal_agents.tools.tool import Tool
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 COMMAND = [sys.executable, SERVER]

@@ -11,11 +11,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.embedded import EmbeddedEngine
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.server import ProxyServer
+from areal_agents.engines.embedded import EmbeddedEngine
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.serve.server import ProxyServer
+from areal_agents.testing.fake_engine import FakeEngine
 
 TOOLS = [
     {

@@ -20,11 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy, check_json, load_json
-from areal_agents.schemas import json_text_depth
-from areal_agents.workers import WorkerHub
+from areal_agents.rollout.workers import WorkerHub
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy, check_json, load_json
+from areal_agents.serve.schemas import json_text_depth
+from areal_agents.testing.fake_engine import FakeEngine
 
 ADMIN = "admin-key-1"
 WORKER = "worker-token-1"

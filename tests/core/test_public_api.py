@@ -32,9 +32,9 @@ def _modules_after(code: str) -> set[str]:
 
 def test_proxy_envs_and_tools_never_import_torch():
     loaded = _modules_after(
-        "import areal_agents, areal_agents.proxy, areal_agents.server, envs, tools, envs.registry,"
-        " areal_agents.vllm_engine, areal_agents.sglang_engine, areal_agents.router,"
-        " areal_agents.backend, areal_agents.fake_sglang, areal_agents.cli"
+        "import areal_agents, areal_agents.serve.proxy, areal_agents.serve.server, envs, tools, areal_agents.envs.registry,"
+        " areal_agents.engines.vllm, areal_agents.engines.sglang, areal_agents.engines.router,"
+        " areal_agents.cli.backend, areal_agents.testing.fake_sglang, areal_agents.cli.main"
     )
     assert "torch" not in loaded
     assert "transformers" not in loaded
@@ -42,16 +42,16 @@ def test_proxy_envs_and_tools_never_import_torch():
 
 def test_public_names_load_lazily_and_dir_lists_them():
     loaded = _modules_after("import areal_agents; print(sorted(dir(areal_agents)))")
-    assert not {"areal_agents.proxy", "fastapi", "tokenizers", "pydantic"} & loaded
+    assert not {"areal_agents.serve.proxy", "fastapi", "tokenizers", "pydantic"} & loaded
     assert set(areal_agents.__all__) <= set(dir(areal_agents))
-    assert areal_agents.Proxy is __import__("areal_agents.proxy").proxy.Proxy
+    assert areal_agents.Proxy is __import__("areal_agents.serve.proxy").serve.proxy.Proxy
 
 
 def test_the_worker_client_imports_no_heavy_module():
     """A worker's environment has httpx and openai only (requirements/client.txt)."""
     loaded = _modules_after("import areal_agents.client")
     heavy = {"fastapi", "uvicorn", "starlette", "tokenizers", "transformers", "torch", "jinja2"}
-    ours = {"areal_agents.proxy", "areal_agents.schemas", "areal_agents.chat"}
+    ours = {"areal_agents.serve.proxy", "areal_agents.serve.schemas", "areal_agents.serve.chat"}
     assert not (heavy | ours | {"pydantic", "openai", "gymnasium", "numpy"}) & loaded
     assert "httpx" in loaded
 

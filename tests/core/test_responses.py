@@ -25,11 +25,11 @@ import httpx
 import openai
 import pytest
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.responses import STORE
-from areal_agents.server import ProxyServer
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.serve.responses import STORE
+from areal_agents.serve.server import ProxyServer
+from areal_agents.testing.fake_engine import FakeEngine
 
 ADD = {
     "type": "function",
@@ -478,7 +478,7 @@ def test_bad_input_gets_a_clear_4xx_never_500(scripted):
 
 # ---------------------------------------------------------------- a real (tiny) model
 def test_tiny_model_output_ids_decode_to_what_the_client_received(tiny_model_dir):
-    from areal_agents.embedded import EmbeddedEngine
+    from areal_agents.engines.embedded import EmbeddedEngine
 
     tok = ChatTokenizer.from_dir(tiny_model_dir)
     engine = EmbeddedEngine.from_pretrained(tiny_model_dir, dtype="float32", decode=tok.decode)

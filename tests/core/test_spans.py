@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from areal_agents import spans
-from areal_agents.embedded import FairLock
+from areal_agents.engines.embedded import FairLock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -198,8 +198,8 @@ def test_a_training_run_writes_its_spans_and_time_metrics(tiny_model_dir, tmp_pa
     """Two GRPO steps on the tiny model: spans.jsonl has the engine's prefill and decode, the
     trainer's forward, backward and optimizer, the weight syncs and one span per episode;
     each step's time/* metrics agree with busy_idle over the spans of that step."""
-    from trainer.config import load_config
-    from trainer.loop import Trainer
+    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.loop import Trainer
 
     out = tmp_path / "run"
     cfg = load_config(

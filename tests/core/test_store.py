@@ -14,13 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from areal_agents.chat import ChatTokenizer
+from areal_agents.engines.launch import free_port
 from areal_agents.errors import BackendError
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import ApiError, Proxy
-from areal_agents.server import ProxyServer, free_port
-from areal_agents.session import SessionStore
-from areal_agents.store import EpisodeStore
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import ApiError, Proxy
+from areal_agents.serve.server import ProxyServer
+from areal_agents.serve.session import SessionStore
+from areal_agents.serve.store import EpisodeStore
+from areal_agents.testing.fake_engine import FakeEngine
 from areal_agents.trajectory import (
     Completion,
     build_samples,
@@ -170,7 +171,7 @@ def test_paged_trajectory_reads_concatenate_to_the_whole(tok: ChatTokenizer) -> 
 
 def _serve(store: str, port: int, *extra: str, real: bool = False) -> subprocess.Popen:
     if real:
-        cmd = [sys.executable, "-m", "areal_agents.cli", "serve", "--port", str(port)]
+        cmd = [sys.executable, "-m", "areal_agents.cli.main", "serve", "--port", str(port)]
         cmd += ["--store", store, "--max-batch-size", "4", *extra]
     else:
         cmd = [sys.executable, str(HERE / "fake_proxy_server.py"), "--port", str(port)]
@@ -332,8 +333,8 @@ def test_a_client_that_disconnects_aborts_its_generation(tok) -> None:
 
 
 def test_an_engine_failure_is_recorded_once(tok) -> None:
-    from areal_agents.runner import Runner
-    from envs.registry import make
+    from areal_agents.envs.registry import make
+    from areal_agents.rollout.runner import Runner
 
     class Failing(FakeEngine):
         async def generate(self, prompt_ids, params, *, route_key=None):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from areal_agents import store as store_module
-from areal_agents.session import Session
-from areal_agents.store import (
+from areal_agents.serve import store as store_module
+from areal_agents.serve.session import Session
+from areal_agents.serve.store import (
     SCHEMA_HEAD,
     EpisodeStore,
     completions,
@@ -322,7 +322,7 @@ def test_train_tokens_round_trip_replace_and_check(store_url: str) -> None:
 def test_eval_out_records_its_episodes_in_an_episode_store(tiny_model_dir, tmp_path, capsys):
     """``eval --out DIR`` writes DIR/episodes.db beside episodes.jsonl, every episode with
     its env, success and turns on its metadata; a second eval into DIR replaces it."""
-    from areal_agents.cli import main
+    from areal_agents.cli.main import main
 
     out = tmp_path / "eval"
     argv = [

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from areal_agents.toolcall import ParsedOutput, new_call_id, parse_tool_calls
+from areal_agents.serve.toolcall import ParsedOutput, new_call_id, parse_tool_calls
 
 
 def ids():

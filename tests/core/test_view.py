@@ -15,10 +15,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from areal_agents.engines.launch import free_port
 from areal_agents.errors import ConfigError
-from areal_agents.server import free_port
-from areal_agents.session import Session
-from areal_agents.store import EpisodeStore
+from areal_agents.serve.session import Session
+from areal_agents.serve.store import EpisodeStore
 from areal_agents.trajectory import Completion, Episode
 from areal_agents.view import create_app, import_run
 
@@ -312,7 +312,7 @@ def test_import_builds_a_store_from_episodes_jsonl(run_dir: Path, tmp_path: Path
 
 def test_the_cli_serves_and_refuses_an_open_host_without_a_token(run_dir: Path) -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "areal_agents.cli", "view", str(run_dir), "--port", str(port)]
+    cmd = [sys.executable, "-m", "areal_agents.cli.main", "view", str(run_dir), "--port", str(port)]
     proc = subprocess.Popen(
         [*cmd, "--host", "0.0.0.0", "--no-browser"], stdout=subprocess.PIPE, text=True
     )
@@ -333,7 +333,7 @@ def test_the_cli_serves_and_refuses_an_open_host_without_a_token(run_dir: Path) 
         proc.terminate()
         proc.wait(10)
     out = subprocess.run(
-        [sys.executable, "-m", "areal_agents.cli", "view", str(run_dir / "nothing")],
+        [sys.executable, "-m", "areal_agents.cli.main", "view", str(run_dir / "nothing")],
         capture_output=True,
         text=True,
     )

@@ -12,9 +12,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
-from areal_agents.engine import WeightUpdate
+from areal_agents.engines.protocol import WeightUpdate
+from areal_agents.engines.weights import MergedLora, apply_weight_update
 from areal_agents.errors import UserError
-from areal_agents.weights import MergedLora, apply_weight_update
 
 CONFIG = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 

@@ -28,16 +28,16 @@ import httpx
 import openai
 import pytest
 
-import envs  # noqa: F401  (registers the built-in envs)
-from areal_agents.chat import ChatTokenizer
+from areal_agents import envs  # noqa: F401  (registers the built-in envs)
 from areal_agents.client import AgentWorker, RemoteTool, WorkerTask
+from areal_agents.envs.registry import make
 from areal_agents.errors import AgentLost
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.runner import AgentTask, Runner
-from areal_agents.server import ProxyServer
-from areal_agents.workers import WorkerHub
-from envs.registry import make
+from areal_agents.rollout.runner import AgentTask, Runner
+from areal_agents.rollout.workers import WorkerHub
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.serve.server import ProxyServer
+from areal_agents.testing.fake_engine import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "wtok-test-7f3a9c"
@@ -189,7 +189,7 @@ async def test_full_episode_through_a_worker_is_scored_by_the_env(tok):
 
 
 async def test_worker_tasks_and_their_episodes_are_written_to_the_store(tok, tmp_path):
-    from areal_agents.store import EpisodeStore
+    from areal_agents.serve.store import EpisodeStore
 
     store = EpisodeStore(tmp_path / "episodes.db")
     with trainer(tok, store=store) as t:
@@ -427,7 +427,14 @@ async def test_worker_process_killed_with_sigkill_is_lost_within_the_heartbeat_t
     )
     stderr = tmp_path / "worker.err"
     with trainer(tok, heartbeat_timeout_s=1.5) as t, stderr.open("w") as err:
-        command = [sys.executable, "-m", "areal_agents.cli", "worker", "--connect", t.server.url]
+        command = [
+            sys.executable,
+            "-m",
+            "areal_agents.cli.main",
+            "worker",
+            "--connect",
+            t.server.url,
+        ]
         proc = subprocess.Popen(
             [*command, "--agent", "hanging_agent:make", "--wait", "2"],
             env={**os.environ, "PYTHONPATH": str(tmp_path), "AREAL_WORKER_TOKEN": TOKEN},
@@ -516,13 +523,13 @@ def test_worker_command_help_and_missing_token():
         timeout=60,
         env={k: v for k, v in os.environ.items() if k != "AREAL_WORKER_TOKEN"},
     )
-    out = run([sys.executable, "-m", "areal_agents.cli", "worker", "--help"])
+    out = run([sys.executable, "-m", "areal_agents.cli.main", "worker", "--help"])
     assert out.returncode == 0 and "--connect" in out.stdout and "AREAL_WORKER_TOKEN" in out.stdout
     out = run(
         [
             sys.executable,
             "-m",
-            "areal_agents.cli",
+            "areal_agents.cli.main",
             "worker",
             "--connect",
             "http://x",
@@ -536,7 +543,7 @@ def test_worker_command_help_and_missing_token():
 async def test_the_readme_openai_worker_example_solves_calculator_episodes(tok):
     """examples/agents/openai_worker.py (shown verbatim in the README, at most 25 lines) as
     the worker's agent, loaded the way ``areal-agent worker --agent FILE:make_agent`` does."""
-    from areal_agents.task_agent import load_agent
+    from areal_agents.rollout.task_agent import load_agent
 
     path = ROOT / "examples" / "agents" / "openai_worker.py"
     source = path.read_text()

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from areal_agents.launch import log_tail
+from areal_agents.engines.launch import log_tail
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def model_dir(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir: Path) -> Any:
-    from areal_agents.chat import ChatTokenizer
+    from areal_agents.serve.chat import ChatTokenizer
 
     return ChatTokenizer.from_dir(model_dir)
 
@@ -91,15 +91,15 @@ def _wait_for(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: flo
 
 @pytest.fixture(scope="session")
 def vllm_service(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from areal_agents.engines.launch import free_port
+    from areal_agents.engines.vllm import find_python
     from areal_agents.errors import UserError
-    from areal_agents.server import free_port
-    from areal_agents.vllm_engine import find_python
 
     external = os.environ.get("AREAL_VLLM_URL")
     logs = tmp_path_factory.mktemp("vllm")
     proxy_port = free_port()
     argv = [
-        sys.executable, "-m", "areal_agents.cli", "serve", "--backend", "vllm",
+        sys.executable, "-m", "areal_agents.cli.main", "serve", "--backend", "vllm",
         "--model", str(model_dir), "--port", str(proxy_port),
     ]  # fmt: skip
     if external:
@@ -158,13 +158,13 @@ def sglang_url() -> str:
 
 @pytest.fixture(scope="session")
 def fake_sglang_url(model_dir: Path) -> Iterator[str]:
-    """The fake SGLang server (areal_agents.fake_sglang) on loopback, in this process."""
+    """The fake SGLang server (areal_agents.testing.fake_sglang) on loopback, in this process."""
     import asyncio
 
     import uvicorn
 
-    from areal_agents.fake_sglang import FakeSGLang
-    from areal_agents.server import free_port
+    from areal_agents.engines.launch import free_port
+    from areal_agents.testing.fake_sglang import FakeSGLang
 
     fake = FakeSGLang(str(model_dir), enable_lora=True)
     port = free_port()

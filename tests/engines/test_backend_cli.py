@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_agents.cli import main
-from areal_agents.server import free_port
+from areal_agents.cli.main import main
+from areal_agents.engines.launch import free_port
 
 
 def _serve(capsys: pytest.CaptureFixture[str], *args: str) -> str:

@@ -2,7 +2,7 @@
 
 Every engine runs the same checks: ``embedded`` (in this process), ``vllm`` (a real vLLM
 server, marker ``vllm``), ``sglang-fake`` (SGLang's HTTP API served by
-:mod:`areal_agents.fake_sglang`) and ``sglang`` (a real SGLang at ``AREAL_SGLANG_URL``,
+:mod:`areal_agents.testing.fake_sglang`) and ``sglang`` (a real SGLang at ``AREAL_SGLANG_URL``,
 marker ``sglang``). Logprobs and greedy choices are checked against a forward pass of the
 same weights with transformers, so an engine that serves other weights, or reports another
 quantity, fails.
@@ -25,12 +25,12 @@ from typing import Any
 import pytest
 import torch
 
-from areal_agents.embedded import EmbeddedEngine
-from areal_agents.engine import GenerateResult, SamplingParams, WeightUpdate
+from areal_agents.engines.embedded import EmbeddedEngine
+from areal_agents.engines.protocol import GenerateResult, SamplingParams, WeightUpdate
+from areal_agents.engines.sglang import SGLangEngine
+from areal_agents.engines.vllm import VLLMEngine
+from areal_agents.engines.weight_files import stage_update
 from areal_agents.errors import BackendError, ContextOverflow, UserError
-from areal_agents.sglang_engine import SGLangEngine
-from areal_agents.vllm_engine import VLLMEngine
-from areal_agents.weight_files import stage_update
 
 ENGINES = [
     pytest.param("embedded", id="embedded"),
@@ -172,7 +172,7 @@ async def test_logprobs_under_top_k_truncation(
 ) -> None:
     """Sampling honours top_k; the reported logprob is the convention's (before truncation),
     except on vLLM, which documents that it reports the value renormalised over the kept
-    tokens (see areal_agents.vllm_engine)."""
+    tokens (see areal_agents.engines.vllm)."""
     params = SamplingParams(temperature=0.8, top_k=20, seed=3, max_new_tokens=10)
     res = await subject.engine.generate(prompt, params)
     ref = recompute(hf_model, prompt, res.output_ids, 0.8)

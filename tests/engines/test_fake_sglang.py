@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from areal_agents.fake_sglang import FakeSGLang
+from areal_agents.testing.fake_sglang import FakeSGLang
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +139,12 @@ def _launch(model: Path, tmp_path: Path) -> Any:
     """SGLangEngine.launch with SGLang's flags, running the fake server's module."""
     import sys
 
-    from areal_agents.sglang_engine import SGLangEngine
+    from areal_agents.engines.sglang import SGLangEngine
 
     return SGLangEngine.launch(
         str(model),
         python=sys.executable,
-        server_module="areal_agents.fake_sglang",
+        server_module="areal_agents.testing.fake_sglang",
         dtype="float32",
         log_path=str(tmp_path / "sglang.log"),
         start_timeout_s=180,
@@ -154,7 +154,7 @@ def _launch(model: Path, tmp_path: Path) -> Any:
 def test_sglang_engine_launches_a_server_and_stops_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     """SGLangEngine.launch with SGLang's flags, here running the fake server's module."""
 
-    from areal_agents.engine import SamplingParams
+    from areal_agents.engines.protocol import SamplingParams
 
     engine = _launch(tiny_model_dir, tmp_path)
     assert engine.server is not None and engine.model_name == tiny_model_dir.name
@@ -181,8 +181,8 @@ def test_weights_over_a_process_group_reach_the_server_bit_for_bit(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from areal_agents.engine import SamplingParams
-    from areal_agents.weight_transfer import digest
+    from areal_agents.engines.protocol import SamplingParams
+    from areal_agents.engines.weight_transfer import digest
 
     engine = _launch(tiny_model_dir, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)

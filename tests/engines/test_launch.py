@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from areal_agents.errors import BackendError, UserError
-from areal_agents.launch import ServerProcess, find_server_python, local_url
-from areal_agents.weight_files import (
+from areal_agents.engines.launch import ServerProcess, find_server_python, local_url
+from areal_agents.engines.weight_files import (
     check_same_tensors,
     safetensors_index,
     stage_update,
     with_output_layer,
 )
+from areal_agents.errors import BackendError, UserError
 
 SERVER = """
 import http.server, os, subprocess, sys, time
@@ -128,7 +128,7 @@ def test_staging_writes_full_and_lora_updates(tmp_path: Path) -> None:
     import torch
     from peft import LoraConfig
 
-    from areal_agents.engine import WeightUpdate
+    from areal_agents.engines.protocol import WeightUpdate
 
     shared = torch.ones(2)
     full = stage_update(WeightUpdate(state_dict={"x": shared, "y": shared}, version=3), tmp_path)

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from areal_agents.engine import GenerateResult, SamplingParams
+from areal_agents.engines.protocol import GenerateResult, SamplingParams
+from areal_agents.engines.remote import RemoteEngine, Segment, _cut_at_stop_string, int_label
+from areal_agents.engines.sglang import _segment as sglang_segment
 from areal_agents.errors import BackendError, UserError
-from areal_agents.remote import RemoteEngine, Segment, _cut_at_stop_string, int_label
-from areal_agents.sglang_engine import _segment as sglang_segment
 
 
 class Scripted(RemoteEngine):

@@ -9,13 +9,18 @@ from typing import Any
 import httpx
 import pytest
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.engine import GenerateResult, SamplingParams, WeightUpdate, accepts_route_key
+from areal_agents.engines.protocol import (
+    GenerateResult,
+    SamplingParams,
+    WeightUpdate,
+    accepts_route_key,
+)
+from areal_agents.engines.router import RoutedEngine
 from areal_agents.errors import UserError
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.router import RoutedEngine
-from areal_agents.server import ProxyServer
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.serve.server import ProxyServer
+from areal_agents.testing.fake_engine import FakeEngine
 
 PARAMS = SamplingParams(max_new_tokens=3)
 

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from areal_agents.engine import SamplingParams, WeightUpdate
+from areal_agents.engines.protocol import SamplingParams, WeightUpdate
+from areal_agents.engines.vllm import VLLMEngine
 from areal_agents.errors import UserError
-from areal_agents.vllm_engine import VLLMEngine
 
 pytestmark = pytest.mark.vllm
 
@@ -147,7 +147,7 @@ async def test_two_engines_behind_a_router_share_updates(
     import torch
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-    from areal_agents.router import RoutedEngine
+    from areal_agents.engines.router import RoutedEngine
 
     replicas = [
         await asyncio.to_thread(VLLMEngine.connect, vllm_service.url, model_dir=str(model_dir))

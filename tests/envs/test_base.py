@@ -1,12 +1,12 @@
-"""envs.base and envs.spaces: the episode contract every env inherits."""
+"""areal_agents.envs.base and areal_agents.envs.spaces: the episode contract every env inherits."""
 
 from __future__ import annotations
 
 import gymnasium
 import pytest
 
-from envs import AgentEnv, AssistantMessage, ChatMessages, EpisodeEnded
-from tools import calculator
+from areal_agents.envs import AgentEnv, AssistantMessage, ChatMessages, EpisodeEnded
+from areal_agents.tools import calculator
 
 
 class EchoEnv(AgentEnv):

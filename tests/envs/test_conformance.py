@@ -1,4 +1,4 @@
-"""envs.checker: built-in envs and the example env pass check_env; broken envs are caught."""
+"""areal_agents.envs.checker: built-in envs and the example env pass check_env; broken envs are caught."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import envs
-from envs import AgentEnv, EnvCheckError, check_env
-from tools import calculator
+from areal_agents import envs
+from areal_agents.envs import AgentEnv, EnvCheckError, check_env
+from areal_agents.tools import calculator
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agents" / "custom_env.py"
 
@@ -105,8 +105,8 @@ def test_gymnasium_make_creates_every_registered_env():
     """Every id `areal-agent envs` lists is created by plain ``gymnasium.make``."""
     import gymnasium
 
-    from envs.registry import list_envs
-    from envs.tau2 import ScriptedUserSimulator
+    from areal_agents.envs.registry import list_envs
+    from areal_agents.envs.tau2 import ScriptedUserSimulator
 
     ids = [env_id for env_id, _ in list_envs()]
     assert {

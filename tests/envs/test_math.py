@@ -1,4 +1,4 @@
-"""envs.math: answer checking, Math-v0 and Calculator-v0 episodes, splits, demos."""
+"""areal_agents.envs.math: answer checking, Math-v0 and Calculator-v0 episodes, splits, demos."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-import envs
-from envs.math import (
+from areal_agents import envs
+from areal_agents.envs.math import (
     CalculatorEnv,
     MathEnv,
     answers_match,
@@ -20,8 +20,8 @@ from envs.math import (
     load_jsonl,
     split_of,
 )
-from envs.math.generator import ARITHMETIC_SHAPES
-from tools import function_tool
+from areal_agents.envs.math.generator import ARITHMETIC_SHAPES
+from areal_agents.tools import function_tool
 
 
 @pytest.mark.parametrize(
@@ -362,7 +362,7 @@ def _calculator_call(expression: str, call_id: str = "c1") -> dict:
 
 
 def test_grounded_hand_computed():
-    from envs.math.env import grounded
+    from areal_agents.envs.math.env import grounded
 
     question = "A box holds 18 cookies. Yuki has 19 full boxes. How many cookies is that?"
     assert grounded("18 * 19", question) and grounded("19 * 18", question)

@@ -1,4 +1,4 @@
-"""envs.registry: built-in ids, make, suggestions for unknown ids, plugin discovery."""
+"""areal_agents.envs.registry: built-in ids, make, suggestions for unknown ids, plugin discovery."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import textwrap
 import gymnasium
 import pytest
 
-import envs
+from areal_agents import envs
+from areal_agents.envs.math import CalculatorEnv
 from areal_agents.errors import EnvNotFound, UserError
-from envs.math import CalculatorEnv
 
 BUILTIN_IDS = [
     "areal/Calculator-v0",
@@ -28,7 +28,7 @@ def test_importing_envs_registers_builtins_in_gymnasium_without_importing_them()
         import sys, gymnasium, envs
         ids = [i for i, _ in envs.list_envs()]
         print(all(i in gymnasium.registry for i in ids), len(ids))
-        prefixes = ("envs.math", "envs.search", "envs.tau2")
+        prefixes = ("areal_agents.envs.math", "areal_agents.envs.search", "areal_agents.envs.tau2")
         print(sorted(m for m in sys.modules if m.startswith(prefixes)))
         print(gymnasium.spec("areal/Tau2Airline-v0").kwargs)
         """
@@ -74,8 +74,10 @@ def test_register_rejects_a_conflicting_id_unless_overridden():
     envs.register("test/Tmp-v0", CalculatorEnv, description="first")
     envs.register("test/Tmp-v0", CalculatorEnv, description="first")  # same again: fine
     with pytest.raises(ValueError, match="already registered"):
-        envs.register("test/Tmp-v0", "envs.math.env:MathEnv")
-    envs.register("test/Tmp-v0", "envs.math.env:MathEnv", description="second", override=True)
+        envs.register("test/Tmp-v0", "areal_agents.envs.math.env:MathEnv")
+    envs.register(
+        "test/Tmp-v0", "areal_agents.envs.math.env:MathEnv", description="second", override=True
+    )
     assert ("test/Tmp-v0", "second") in envs.list_envs()
 
 
@@ -91,8 +93,8 @@ def test_plugins_are_discovered_from_an_installed_distribution(tmp_path, monkeyp
     (tmp_path / "fake_plugin_envs.py").write_text(
         textwrap.dedent(
             '''
-            import envs
-            from envs.math import CalculatorEnv
+            from areal_agents import envs
+            from areal_agents.envs.math import CalculatorEnv
 
             class TinyEnv(CalculatorEnv):
                 """A tiny arithmetic env from a plugin."""

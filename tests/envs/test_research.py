@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-import envs
-from envs import check_env
-from envs.search.answer import normalize_answer
-from envs.search.research import KINDS, ResearchEnv, ResearchTask
+from areal_agents import envs
+from areal_agents.envs import check_env
+from areal_agents.envs.search.answer import normalize_answer
+from areal_agents.envs.search.research import KINDS, ResearchEnv, ResearchTask
 
 
 def _open(i: int, doc: str) -> dict[str, Any]:
@@ -167,12 +167,12 @@ async def test_runner_counts_tool_calls_and_errors_and_records_state_keys(tiny_m
     """A scripted policy through the real proxy: a bad open, a good one, then the answer.
     The episode's metadata, its result, the eval summary and the trainer's metrics count
     2 tool calls, 1 of them an error, and each completion has the env's state key."""
-    from areal_agents.chat import ChatTokenizer
-    from areal_agents.evaluate import summarize
-    from areal_agents.fake_engine import FakeEngine
-    from areal_agents.proxy import Proxy
-    from areal_agents.runner import Runner
-    from trainer.loop import _tool_call_metrics
+    from areal_agents.rollout.evaluate import summarize
+    from areal_agents.rollout.runner import Runner
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.serve.proxy import Proxy
+    from areal_agents.testing.fake_engine import FakeEngine
+    from areal_agents.trainer.loop import _tool_call_metrics
 
     tok = ChatTokenizer.from_dir(tiny_model_dir)
     env = ResearchEnv(split="all")

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-import envs
-from envs.search import SearchEnv, generate_knowledge_base
-from envs.search.answer import exact_match, extract_answer, f1_score, normalize_answer
-from envs.search.kb import QAExample
-from tools.retriever import Document
+from areal_agents import envs
+from areal_agents.envs.search import SearchEnv, generate_knowledge_base
+from areal_agents.envs.search.answer import exact_match, extract_answer, f1_score, normalize_answer
+from areal_agents.envs.search.kb import QAExample
+from areal_agents.tools.retriever import Document
 
 
 def _call(i: int, name: str, **arguments: Any) -> dict[str, Any]:

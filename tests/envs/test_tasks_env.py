@@ -8,10 +8,9 @@ from pathlib import Path
 import gymnasium
 import pytest
 
-import envs
-from areal_agents.errors import ConfigError, EnvError, UserError
-from envs import EpisodeEnded, check_env
-from envs.tasks import (
+from areal_agents import envs
+from areal_agents.envs import EpisodeEnded, check_env
+from areal_agents.envs.tasks import (
     TasksEnv,
     exact_match,
     extract_answer,
@@ -21,6 +20,7 @@ from envs.tasks import (
     read_outcome,
     resolve_score,
 )
+from areal_agents.errors import ConfigError, EnvError, UserError
 
 HERE = Path(__file__).resolve().parent
 LOOKUP = {
@@ -162,7 +162,7 @@ def test_score_import_errors_name_the_fix(tmp_path):
         "tasks_score_fixture:scroe": "has no attribute 'scroe'. Did you mean 'score'",
         "tasks_score_fixtur:score": "no module named 'tasks_score_fixtur'. Did you mean "
         "'tasks_score_fixture'",
-        "envs.tasks.scorin:exact_match": "Did you mean 'envs.tasks.scoring'",
+        "areal_agents.envs.tasks.scorin:exact_match": "Did you mean 'areal_agents.envs.tasks.scoring'",
         "tasks_score_fixture:NOT_A_FUNCTION": "is a int, not a function",
         "tasks_score_fixture:too_few_args": "cannot be called as fn(task, final_answer, episode)",
         "tasks_score_fixture.score": "expected 'package.module:function'",
@@ -177,7 +177,7 @@ def test_score_import_errors_name_the_fix(tmp_path):
 
 def test_score_may_be_a_callable():
     fn, name = resolve_score(exact_match)
-    assert fn is exact_match and name == "envs.tasks.scoring:exact_match"
+    assert fn is exact_match and name == "areal_agents.envs.tasks.scoring:exact_match"
     with pytest.raises(ConfigError, match="async"):
 
         async def later(task, final_answer, episode):
@@ -395,10 +395,10 @@ def test_passes_the_env_conformance_check(tmp_path, seed):
 
 
 async def test_runner_records_scores_and_score_failures_without_crashing(tmp_path, tiny_model_dir):
-    from areal_agents.chat import ChatTokenizer
-    from areal_agents.fake_engine import FakeEngine
-    from areal_agents.proxy import Proxy
-    from areal_agents.runner import Runner
+    from areal_agents.rollout.runner import Runner
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.serve.proxy import Proxy
+    from areal_agents.testing.fake_engine import FakeEngine
 
     tok = ChatTokenizer.from_dir(tiny_model_dir)
     end = tok.token_id("<|im_end|>")

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-import envs.tau2 as tau2
-from envs.tau2 import Database, communicate_checks, pass_hat_k
-from envs.tau2.data import (
+import areal_agents.envs.tau2 as tau2
+from areal_agents.envs.tau2 import Database, communicate_checks, pass_hat_k
+from areal_agents.envs.tau2.data import (
     DATA_FILES,
     DOMAINS,
     Tau2DataUnavailable,

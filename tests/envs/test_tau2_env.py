@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-import envs
+from areal_agents import envs
+from areal_agents.envs.base import EpisodeEnded
+from areal_agents.envs.checker import check_env
+from areal_agents.envs.tau2 import ScriptedUserSimulator, Tau2Env, get_domain
+from areal_agents.envs.tau2.user import UserSimulator
 from areal_agents.errors import ConfigError, UserError
-from envs.base import EpisodeEnded
-from envs.checker import check_env
-from envs.tau2 import ScriptedUserSimulator, Tau2Env, get_domain
-from envs.tau2.user import UserSimulator
 
 RETAIL_TASK = "0"  # exchange of two items of delivered order #W2378156 (Yusuf Rossi)
 ORDER = "#W2378156"

@@ -14,7 +14,7 @@ import pytest
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "areal_agents.cli", *args],
+        [sys.executable, "-m", "areal_agents.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -83,9 +83,9 @@ def test_plain_kwargs_build_a_user_that_asks_the_endpoint_for_its_model():
 
     import httpx
 
+    from areal_agents.envs.tau2 import LLMUserSimulator, Tau2Env, get_domain
+    from areal_agents.envs.tau2.user import GREETING
     from areal_agents.errors import ConfigError
-    from envs.tau2 import LLMUserSimulator, Tau2Env, get_domain
-    from envs.tau2.user import GREETING
 
     seen: list[str] = []
 

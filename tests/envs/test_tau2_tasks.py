@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from envs.tau2 import ScriptedUserSimulator, Tau2Env, get_domain
-from envs.tau2.data import Action, Task
-from envs.tau2.domain import Domain
+from areal_agents.envs.tau2 import ScriptedUserSimulator, Tau2Env, get_domain
+from areal_agents.envs.tau2.data import Action, Task
+from areal_agents.envs.tau2.domain import Domain
 
 USER = ScriptedUserSimulator(["Hi, I need some help.", "Yes, please go ahead.", "###STOP###"])
 DOMAIN_NAMES = ("retail", "airline")

@@ -16,8 +16,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from envs.tau2 import LLMUserSimulator, ScriptedUserSimulator, Tau2Env, get_domain
-from envs.tau2.user import GREETING, GUIDELINES, stop_token
+from areal_agents.envs.tau2 import LLMUserSimulator, ScriptedUserSimulator, Tau2Env, get_domain
+from areal_agents.envs.tau2.user import GREETING, GUIDELINES, stop_token
 
 
 def _completion(content: str, model: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 and variants named ``<algorithm>_<variant>.yaml`` (an advantage estimator other than the
 algorithm's own: ``grpo_step_groups``, ``ppo_turn_gae``).
 
-A new algorithm in ``trainer.algorithms`` without a config here fails
+A new algorithm in ``areal_agents.trainer.algorithms`` without a config here fails
 ``test_one_config_per_algorithm``.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.algorithms import ALGORITHMS
-from trainer.config import load_config
+from areal_agents.trainer.algorithms import ALGORITHMS
+from areal_agents.trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "agents" / "algorithms"
@@ -41,7 +41,15 @@ def test_config_is_a_short_lora_calculator_run_and_passes_dry_run(name):
     text = path.read_text()
     assert text.startswith("# ") and f"--config examples/agents/algorithms/{name}.yaml" in text
     out = subprocess.run(
-        [sys.executable, "-m", "areal_agents.cli", "train", "--config", str(path), "--dry-run"],
+        [
+            sys.executable,
+            "-m",
+            "areal_agents.cli.main",
+            "train",
+            "--config",
+            str(path),
+            "--dry-run",
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,

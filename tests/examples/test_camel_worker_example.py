@@ -56,7 +56,7 @@ def test_camel_workers_train_the_calculator_for_three_steps(tmp_path):
         [
             sys.executable,
             "-m",
-            "areal_agents.cli",
+            "areal_agents.cli.main",
             "train",
             "--config",
             f"{EXAMPLE}.yaml",

@@ -20,11 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.server import ProxyServer
-from areal_agents.session import Session
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.serve.server import ProxyServer
+from areal_agents.serve.session import Session
+from areal_agents.testing.fake_engine import FakeEngine
 
 
 @dataclass

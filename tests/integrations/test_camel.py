@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tools import calculator
-from tools.tool import function_tool
+from areal_agents.tools import calculator
+from areal_agents.tools.tool import function_tool
 
 
 def _require(module: str) -> Any:

@@ -22,14 +22,14 @@ from tests.integrations.test_openai_agents import _require
 agents = _require("agents")
 from agents.mcp import MCPServerStdio  # noqa: E402
 
-import envs  # noqa: E402
+from areal_agents import envs  # noqa: E402
 from areal_agents.integrations.openai_agents import run_agent  # noqa: E402
-from areal_agents.runner import Runner  # noqa: E402
-from tools.mcp_client import MCPConnection, mcp_tools  # noqa: E402
+from areal_agents.rollout.runner import Runner  # noqa: E402
+from areal_agents.tools.mcp_client import MCPConnection, mcp_tools  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_SERVER = [sys.executable, str(ROOT / "tests" / "core" / "mcp_test_server.py")]
-SERVE = [sys.executable, "-m", "areal_agents.cli", "mcp-serve", "--env", "areal/Calculator-v0"]
+SERVE = [sys.executable, "-m", "areal_agents.cli.main", "mcp-serve", "--env", "areal/Calculator-v0"]
 
 
 def _stdio_params(*extra: str) -> dict[str, Any]:

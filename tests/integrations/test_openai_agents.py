@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tools import calculator
-from tools.tool import function_tool
+from areal_agents.tools import calculator
+from areal_agents.tools.tool import function_tool
 
 
 def _require(module: str) -> Any:
@@ -215,7 +215,7 @@ def test_function_tools_keep_our_schema_and_report_bad_arguments_as_data():
     assert bad.startswith("Error: unknown argument 'expr'")
     assert asyncio.run(calc.on_invoke_tool(None, '{"expression": "6*7"}')) == "42"
 
-    with pytest.raises(TypeError, match=r"expected a tools\.tool\.Tool, got dict"):
+    with pytest.raises(TypeError, match=r"expected a areal_agents\.tools\.tool\.Tool, got dict"):
         as_function_tools([{"name": "x"}])
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from areal_agents.cli import main
+from areal_agents.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 def test_ray_flags_without_ray_name_the_install_command(argv):
     done = _run(
         "import sys; sys.modules['ray'] = None\n"  # as if Ray were not installed
-        "from areal_agents.cli import main\n"
+        "from areal_agents.cli.main import main\n"
         f"raise SystemExit(main({argv!r}))"
     )
     assert done.returncode == 2, done.stderr
@@ -42,8 +42,8 @@ def test_ray_flags_without_ray_name_the_install_command(argv):
 
 def test_local_code_paths_never_import_ray():
     done = _run(
-        "import areal_agents, areal_agents.cli, areal_agents.runner, areal_agents.evaluate\n"
-        "import areal_agents.proxy, areal_agents.server, trainer.config, trainer.loop\n"
+        "import areal_agents, areal_agents.cli.main, areal_agents.rollout.runner, areal_agents.rollout.evaluate\n"
+        "import areal_agents.serve.proxy, areal_agents.serve.server, areal_agents.trainer.config, areal_agents.trainer.loop\n"
         "import sys; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
     )
     assert done.returncode == 0, done.stderr

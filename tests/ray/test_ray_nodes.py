@@ -17,13 +17,13 @@ pytest.importorskip("ray", reason="the Ray tests need: pip install 'areal-agents
 
 import ray
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.cluster import RayEngine
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.ray_runner import RayRunner
-from areal_agents.runner import Runner
-from envs.math import CalculatorEnv
+from areal_agents.envs.math import CalculatorEnv
+from areal_agents.rollout.cluster import RayEngine
+from areal_agents.rollout.ray_runner import RayRunner
+from areal_agents.rollout.runner import Runner
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.testing.fake_engine import FakeEngine
 
 
 def _tokenizer_dir() -> str:

@@ -19,17 +19,17 @@ import pytest
 
 pytest.importorskip("ray", reason="the Ray tests need: pip install 'areal-agents[ray]'")
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.cluster import ClusterError, RayEngine
-from areal_agents.engine import SamplingParams, WeightUpdate
+from areal_agents.engines.protocol import SamplingParams, WeightUpdate
+from areal_agents.envs.math import CalculatorEnv
 from areal_agents.errors import BackendError, ContextOverflow, UserError
-from areal_agents.evaluate import summarize
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.ray_runner import WORKER_LOST, RayRunner, TokenizerFiles
-from areal_agents.runner import EpisodeResult, Runner
-from areal_agents.server import ProxyServer
-from envs.math import CalculatorEnv
+from areal_agents.rollout.cluster import ClusterError, RayEngine
+from areal_agents.rollout.evaluate import summarize
+from areal_agents.rollout.ray_runner import WORKER_LOST, RayRunner, TokenizerFiles
+from areal_agents.rollout.runner import EpisodeResult, Runner
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.serve.server import ProxyServer
+from areal_agents.testing.fake_engine import FakeEngine
 
 
 def _tokenizer_dir() -> str:
@@ -330,8 +330,8 @@ def test_tokenizer_files_rebuild_the_same_tokenizer(tmp_path):
 async def test_ray_source_passes_the_group_source_conformance_check(pool, check_source):
     """RaySource: the same groups, gate and task seeds as the local sources (the check in
     tests/conftest.py), with the episodes on rollout-worker actors."""
-    from trainer.checkpoint import RunState
-    from trainer.rollout import RaySource, SourceSettings
+    from areal_agents.trainer.checkpoint import RunState
+    from areal_agents.trainer.rollout import RaySource, SourceSettings
 
     _, runner = pool
     state = RunState()

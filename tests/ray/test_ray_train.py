@@ -9,7 +9,7 @@ import json
 import pytest
 
 from areal_agents import spans
-from trainer.config import load_config
+from areal_agents.trainer.config import load_config
 
 
 @pytest.mark.slow
@@ -27,7 +27,7 @@ def test_scheduler_ray_trains_with_rollouts_on_ray_workers(
     import torch
 
     from areal_agents.hardware import pin_to_cpus
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     cores, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
     engine_core, trainer_core = cores[0], cores[-1]
@@ -119,10 +119,10 @@ def test_trainer_ranks_as_ray_actors_take_the_step_one_process_takes(cluster, ti
     weights to ``WEIGHT_TOL``)."""
     import torch
 
-    from trainer.critic import Critic
-    from trainer.distributed import DistributedCritic, DistributedPolicy, RayRanks
-    from trainer.loop import _algorithm, model_kwargs
-    from trainer.policy import Policy
+    from areal_agents.trainer.critic import Critic
+    from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy, RayRanks
+    from areal_agents.trainer.loop import _algorithm, model_kwargs
+    from areal_agents.trainer.policy import Policy
 
     dr = _dist_ranks()
     model = str(tiny_model_dir)
@@ -175,7 +175,7 @@ def _episodes(policy):
 def test_scheduler_ray_with_two_trainer_ranks_runs_to_the_end(cluster, tiny_model_dir, tmp_path):
     """``scheduler: ray`` and ``train.nproc=2``: the engine, the rollout workers and the two
     trainer ranks are actors; the loop, the source and the proxy stay here."""
-    from trainer.loop import train
+    from areal_agents.trainer.loop import train
 
     out = tmp_path / "run"
     cfg = load_config(

@@ -9,14 +9,14 @@ from typing import ClassVar
 
 import pytest
 
-import envs  # noqa: F401  (registers the built-in envs)
-from areal_agents.chat import ChatTokenizer
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.runner import Runner
-from envs.base import AgentEnv
-from envs.math import CalculatorEnv
-from tools.tool import ToolResult, function_tool
+from areal_agents import envs  # noqa: F401  (registers the built-in envs)
+from areal_agents.envs.base import AgentEnv
+from areal_agents.envs.math import CalculatorEnv
+from areal_agents.rollout.runner import Runner
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.testing.fake_engine import FakeEngine
+from areal_agents.tools.tool import ToolResult, function_tool
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ async def test_episode_timeout_and_model_failure_are_recorded(tok):
 
 
 async def test_agent_driven_episode_is_scored_by_env(tok):
-    from areal_agents.server import ProxyServer
+    from areal_agents.serve.server import ProxyServer
 
     proxy = Proxy(FakeEngine(solver(tok)), tok)
     with ProxyServer.start(proxy) as server:
@@ -193,7 +193,7 @@ async def test_evaluation_tasks_are_distinct_pool_entries(tok):
     """`areal-agent eval` walks a seeded permutation of the env's pool: 24 tasks of a
     24-task pool are the whole pool once; more tasks than the pool repeat it, reshuffled;
     an env without a fixed pool falls back to seeds."""
-    from areal_agents.evaluate import evaluate, task_indices
+    from areal_agents.rollout.evaluate import evaluate, task_indices
 
     proxy = Proxy(FakeEngine(solver(tok)), tok)
     runner = Runner(proxy)
@@ -248,7 +248,7 @@ async def test_sampling_by_kind_overrides_per_task_kind(tok):
 async def test_agent_calls_that_set_no_sampling_get_the_runs_per_kind_defaults(tok):
     """An agent that leaves sampling to the server samples as the run says (per task kind);
     what its calls do set wins."""
-    from areal_agents.server import ProxyServer
+    from areal_agents.serve.server import ProxyServer
 
     proxy = Proxy(FakeEngine(solver(tok)), tok)
     with ProxyServer.start(proxy) as server:
@@ -290,7 +290,7 @@ async def test_agent_calls_that_set_no_sampling_get_the_runs_per_kind_defaults(t
 async def test_an_agents_episode_earns_the_tool_rewards_an_env_driven_one_does(tok):
     """score() replays the tool turns: the grounded-call credit of the calculator env lands
     on the completion that made the call, and the episode's total equals env-driven's."""
-    from areal_agents.server import ProxyServer
+    from areal_agents.serve.server import ProxyServer
 
     def make():
         return CalculatorEnv(

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.fake_engine import FakeEngine
-from areal_agents.proxy import Proxy
-from areal_agents.runner import Runner
-from envs.base import AgentEnv
-from tools.tool import function_tool
+from areal_agents.envs.base import AgentEnv
+from areal_agents.rollout.runner import Runner
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.testing.fake_engine import FakeEngine
+from areal_agents.tools.tool import function_tool
 
 EPISODES = 1000
 GROUP_SIZE = 8

@@ -1,4 +1,4 @@
-"""tools.calculator: correct arithmetic, and specific errors instead of unsafe evaluation."""
+"""areal_agents.tools.calculator: correct arithmetic, and specific errors instead of unsafe evaluation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tools.calculator import CalculationError, calculator, evaluate
+from areal_agents.tools.calculator import CalculationError, calculator, evaluate
 
 
 @pytest.mark.parametrize(

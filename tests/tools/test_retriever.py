@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.retriever import (
+from areal_agents.tools.retriever import (
     BM25Retriever,
     DenseRetriever,
     Document,

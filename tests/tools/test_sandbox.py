@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-import tools.sandbox as sandbox
-from tools.sandbox import (
+import areal_agents.tools.sandbox as sandbox
+from areal_agents.tools.sandbox import (
     SandboxLimits,
     SandboxUnavailableError,
     check_sandbox,
@@ -21,7 +21,7 @@ from tools.sandbox import (
     run_python,
     run_python_sync,
 )
-from tools.tool import Tool
+from areal_agents.tools.tool import Tool
 
 FAST: dict[str, Any] = {"timeout_s": 5.0, "memory_mb": 256, "max_output_chars": 2000}
 

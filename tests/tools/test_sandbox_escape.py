@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tools.sandbox import SANDBOX_UID, SandboxResult, run_python
+from areal_agents.tools.sandbox import SANDBOX_UID, SandboxResult, run_python
 
 MODES = ["process", "bwrap"]
 ROOT = os.geteuid() == 0

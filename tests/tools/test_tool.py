@@ -1,4 +1,4 @@
-"""tools.tool: schemas from typed functions, argument validation, sync/async, binding."""
+"""areal_agents.tools.tool: schemas from typed functions, argument validation, sync/async, binding."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Literal
 import pytest
 
 from areal_agents.errors import ToolError, UserError
-from tools import Tool, ToolResult, function_tool
+from areal_agents.tools import Tool, ToolResult, function_tool
 
 
 class Unit(enum.Enum):

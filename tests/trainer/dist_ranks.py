@@ -65,9 +65,9 @@ SFT_CASE = "grpo-lora"
 def warm_start(policy: Any, model: str) -> dict[str, float]:
     """A warm start on 5 calculator demonstrations (batches of 3 and 2: odd splits) with
     40-token micro-batches."""
-    from areal_agents.chat import ChatTokenizer
-    from envs.registry import make
-    from trainer.sft import run_sft
+    from areal_agents.envs.registry import make
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.trainer.sft import run_sft
 
     env = make("areal/Calculator-v0", kind="arithmetic")
     _, info = env.reset(seed=0)
@@ -79,7 +79,7 @@ def warm_start(policy: Any, model: str) -> dict[str, float]:
 
 
 def case_config(name: str, model: str) -> Any:
-    from trainer.config import load_config
+    from areal_agents.trainer.config import load_config
 
     return load_config(None, [*COMMON, *CASES[name], f"model.path={model}"])
 
@@ -87,8 +87,8 @@ def case_config(name: str, model: str) -> Any:
 def train_steps(policy: Any, critic: Any, episodes: list, cfg: Any, steps: range) -> list[dict]:
     """``train_on_batch`` on the same episodes for ``steps``; each step's loss and norms, and
     sums over the ``train_tokens`` rows its records give (on ranks: gathered by rank 0)."""
-    from trainer.batch import build_batch, train_token_rows
-    from trainer.loop import _algorithm, train_on_batch
+    from areal_agents.trainer.batch import build_batch, train_token_rows
+    from areal_agents.trainer.loop import _algorithm, train_on_batch
 
     spec = _algorithm(cfg)
     out = []
@@ -112,9 +112,9 @@ def train_steps(policy: Any, critic: Any, episodes: list, cfg: Any, steps: range
 
 
 def _parity(data_path: str, out_dir: str) -> None:
-    from trainer import fsdp
-    from trainer.distributed import DistributedCritic, DistributedPolicy, Ranks, serve
-    from trainer.loop import _algorithm, model_kwargs
+    from areal_agents.trainer import fsdp
+    from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy, Ranks, serve
+    from areal_agents.trainer.loop import _algorithm, model_kwargs
 
     data = pickle.loads(Path(data_path).read_bytes())
     if fsdp.rank() != 0:
@@ -159,7 +159,7 @@ def _parity(data_path: str, out_dir: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from trainer import fsdp
+    from areal_agents.trainer import fsdp
 
     mode = argv[0]
     fsdp.GATHER_BUCKET_BYTES = 1 << 16  # many buckets: LoRA tensors share one, big ones alone
@@ -186,7 +186,7 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from trainer.distributed import _die_with_parent
+    from areal_agents.trainer.distributed import _die_with_parent
 
     _die_with_parent()
     record(main)(sys.argv[1:])

@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from areal_agents.trajectory import Completion, Episode
-from trainer.advantage import (
+from areal_agents.trainer.advantage import (
     completion_returns,
     completion_weights,
     expand_to_tokens,
@@ -20,6 +19,7 @@ from trainer.advantage import (
     tree_gae,
     whiten,
 )
+from areal_agents.trajectory import Completion, Episode
 
 
 def chain(session_id: str, group_id: str, turn_rewards: list[float], final: float) -> Episode:

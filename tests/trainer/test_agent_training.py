@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import envs
-from envs.base import AgentEnv
-from trainer.config import load_config
+from areal_agents import envs
+from areal_agents.envs.base import AgentEnv
+from areal_agents.trainer.config import load_config
 
 INSTRUCTIONS = "You answer in a few words."
 
@@ -58,7 +58,7 @@ def make_agent(max_tokens: int = 8):
 @pytest.mark.slow
 def test_an_agents_sdk_agent_is_trained_in_process(tiny_model_dir, tmp_path):
     pytest.importorskip("agents")
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     envs.register("test/LengthParity-v0", LengthParity, description="agent test", override=True)
     out = tmp_path / "run"
@@ -104,7 +104,7 @@ def test_an_agents_sdk_agent_is_trained_in_process(tiny_model_dir, tmp_path):
     assert all(row["masked"] == [] and row["completions"] for row in ledger)
     from dataclasses import asdict
 
-    from areal_agents.store import EpisodeStore
+    from areal_agents.serve.store import EpisodeStore
 
     store = EpisodeStore(out / "episodes.db")  # the run's store holds every episode exactly
     assert not store.session_ids(ended=False)
@@ -126,7 +126,7 @@ def test_an_agents_sdk_agent_is_trained_in_process(tiny_model_dir, tmp_path):
 
 def test_the_agents_sdk_example_config_resolves_and_its_factory_loads():
     pytest.importorskip("agents")
-    from areal_agents.task_agent import SDKAgent, load_agent
+    from areal_agents.rollout.task_agent import SDKAgent, load_agent
 
     repo = Path(__file__).resolve().parents[2]
     cfg = load_config(repo / "examples" / "agents" / "train_agents_sdk.yaml")
@@ -140,7 +140,7 @@ def test_the_agents_sdk_example_config_resolves_and_its_factory_loads():
 
 def test_a_bad_agent_factory_fails_before_any_episode(tmp_path):
     from areal_agents.errors import ConfigError
-    from areal_agents.task_agent import load_agent
+    from areal_agents.rollout.task_agent import load_agent
 
     with pytest.raises(ConfigError, match=r"expected 'pkg\.module:factory'"):
         load_agent("no_colon")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from areal_agents.errors import ConfigError
-from trainer.algorithms import (
+from areal_agents.trainer.algorithms import (
     ALGORITHMS,
     AdvantageSpec,
     AlgorithmSpec,

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from areal_agents.errors import ConfigError
-from trainer.config import (
+from areal_agents.trainer.config import (
     EnvConfig,
     LoraConfig,
     LossConfig,
@@ -480,7 +480,7 @@ def test_format_config_shows_the_changes() -> None:
 
 def test_config_loading_does_not_import_torch() -> None:
     code = (
-        "import sys; from trainer.config import load_config; "
+        "import sys; from areal_agents.trainer.config import load_config; "
         "load_config(None, ['env.id=x']); print('torch' in sys.modules)"
     )
     root = Path(__file__).resolve().parents[2]
@@ -502,8 +502,8 @@ def test_group_size_one_only_without_a_group_baseline(algorithm: str, allowed: b
 
 
 def test_critic_section_checks_values_and_defaults_equal_the_ppo_spec() -> None:
-    from trainer.algorithms import ALGORITHMS, get_algorithm
-    from trainer.config import CRITIC_ALGORITHMS, CriticConfig
+    from areal_agents.trainer.algorithms import ALGORITHMS, get_algorithm
+    from areal_agents.trainer.config import CRITIC_ALGORITHMS, CriticConfig
 
     assert {n for n, s in ALGORITHMS.items() if s.needs_critic} == CRITIC_ALGORITHMS
     ppo, default = get_algorithm("ppo"), CriticConfig()
@@ -535,8 +535,8 @@ def test_every_loss_key_reaches_the_loss_spec_or_the_loop():
     ``proximal`` (read by the loop): no key is validated and then ignored."""
     import dataclasses
 
-    from trainer.config import LossConfig
-    from trainer.loop import LOSS_OVERRIDES, _algorithm
+    from areal_agents.trainer.config import LossConfig
+    from areal_agents.trainer.loop import LOSS_OVERRIDES, _algorithm
 
     names = {f.name for f in dataclasses.fields(LossConfig)}
     assert names - set(LOSS_OVERRIDES) == {"proximal"}

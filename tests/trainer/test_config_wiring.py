@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from areal_agents.errors import ConfigError
-from trainer.config import load_config
+from areal_agents.trainer.config import load_config
 
 
 def _overrides(tiny_model_dir: Path, out: Path, *extra: str) -> list[str]:
@@ -34,8 +34,8 @@ def _overrides(tiny_model_dir: Path, out: Path, *extra: str) -> list[str]:
 def test_max_context_reaches_the_engine_and_the_proxy_refuses_longer_prompts(
     tiny_model_dir, tmp_path
 ):
-    from areal_agents.proxy import ApiError
-    from trainer.loop import Trainer
+    from areal_agents.serve.proxy import ApiError
+    from areal_agents.trainer.loop import Trainer
 
     cfg = load_config(None, _overrides(tiny_model_dir, tmp_path / "run", "model.max_context=64"))
     trainer = Trainer(cfg, quiet=True)
@@ -65,7 +65,7 @@ def _episode_row(ids: list[int], mask: list[int], **result) -> str:
 
 
 def test_episode_samples_skip_failures_and_check_the_vocabulary(tmp_path):
-    from trainer.sft import load_episode_samples
+    from areal_agents.trainer.sft import load_episode_samples
 
     path = tmp_path / "episodes.jsonl"
     path.write_text(
@@ -91,7 +91,7 @@ def test_sft_kind_episodes_trains_only_the_sampled_tokens(tiny_model_dir, tmp_pa
     """One episode, one batch: the warm start's NLL is -(1/N) sum of the logprobs of the
     N tokens with loss_mask 1, under the weights before the step (computed here by hand
     from the policy's own logprobs)."""
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     ids = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198, 13048, 0, 151645]
     mask = [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1]
@@ -122,7 +122,7 @@ def test_sft_generate_needs_kind_messages():
 
 
 def test_a_tau2_run_without_a_user_fails_before_any_episode_with_the_fix(tiny_model_dir, tmp_path):
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     cfg = load_config(
         None,
@@ -146,7 +146,7 @@ def test_a_tau2_run_without_a_user_fails_before_any_episode_with_the_fix(tiny_mo
 
 
 def test_bad_env_kwargs_fail_the_run_with_the_message(tiny_model_dir, tmp_path):
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     cfg = load_config(
         None,

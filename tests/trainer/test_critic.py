@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from areal_agents.errors import ConfigError
+from areal_agents.trainer.advantage import tree_gae
+from areal_agents.trainer.critic import Critic, GaeInputs, gae_inputs
 from areal_agents.trajectory import Completion, Episode
-from trainer.advantage import tree_gae
-from trainer.critic import Critic, GaeInputs, gae_inputs
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+from areal_agents.trainer.critic import Critic
+from areal_agents.trainer.distributed import RankFailed, group_parts, run_ranks
+from areal_agents.trainer.loop import _algorithm, model_kwargs
+from areal_agents.trainer.policy import Policy
 from areal_agents.trajectory import Completion, Episode
-from trainer.critic import Critic
-from trainer.distributed import RankFailed, group_parts, run_ranks
-from trainer.loop import _algorithm, model_kwargs
-from trainer.policy import Policy
 
 RANKS = Path(__file__).with_name("dist_ranks.py")
 _spec = importlib.util.spec_from_file_location("dist_ranks", RANKS)
@@ -195,7 +195,7 @@ def test_a_failed_rank_ends_the_run_with_its_error(mode):
 
 def test_no_rank_outlives_its_launcher_killed_by_sigkill(tmp_path):
     code = (
-        "import sys; from trainer.distributed import run_ranks; "
+        "import sys; from areal_agents.trainer.distributed import run_ranks; "
         f"run_ranks(2, [{str(RANKS)!r}, 'hang', {str(tmp_path)!r}])"
     )
     launcher = subprocess.Popen([sys.executable, "-c", code])
@@ -240,7 +240,7 @@ def test_quickstart_on_two_ranks_ends_with_a_model_serve_loads(tmp_path):
     the steps on both ranks, the weight syncs, the checkpoints' shards of both ranks, and a
     merged final model that ``areal-agent serve --model`` answers a chat completion with."""
     out = tmp_path / "quickstart"
-    cli = [sys.executable, "-m", "areal_agents.cli"]
+    cli = [sys.executable, "-m", "areal_agents.cli.main"]
     train = subprocess.run(
         [
             *cli,
@@ -282,8 +282,8 @@ def test_quickstart_on_two_ranks_ends_with_a_model_serve_loads(tmp_path):
 
 def test_cpu_offload_without_a_gpu_is_refused_before_any_rank_starts():
     from areal_agents.errors import ConfigError
-    from trainer.config import load_config
-    from trainer.distributed import launch
+    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.distributed import launch
 
     cfg = load_config(None, ["env.id=areal/Math-v0", "train.fsdp=true", "train.cpu_offload=true"])
     with pytest.raises(ConfigError, match=r"set train\.cpu_offload=false"):

@@ -23,7 +23,7 @@ def _train(out: Path, model: Path, log: Path, resume: bool, nproc: int) -> subpr
     cmd = [
         sys.executable,
         "-m",
-        "areal_agents.cli",
+        "areal_agents.cli.main",
         "train",
         "env.id=areal/Tasks-v0",
         f"model.path={model}",
@@ -74,7 +74,7 @@ def test_kill_9_with_a_worker_connected_then_resume_loses_and_repeats_nothing(
             [
                 sys.executable,
                 "-m",
-                "areal_agents.cli",
+                "areal_agents.cli.main",
                 "worker",
                 "--connect",
                 f"http://127.0.0.1:{endpoint['port']}",

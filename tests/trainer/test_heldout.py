@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-import envs
+from areal_agents import envs
+from areal_agents.envs.base import AgentEnv
 from areal_agents.errors import ConfigError
-from envs.base import AgentEnv
-from trainer.config import load_config
-from trainer.heldout import HeldOut
-from trainer.loop import Trainer
+from areal_agents.trainer.config import load_config
+from areal_agents.trainer.heldout import HeldOut
+from areal_agents.trainer.loop import Trainer
 
 
 class SplitTask(AgentEnv):

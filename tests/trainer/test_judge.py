@@ -1,4 +1,4 @@
-"""The judge (``rewards.judge``, :mod:`trainer.judge`): scores read from replies, the rubric's
+"""The judge (``rewards.judge``, :mod:`areal_agents.trainer.judge`): scores read from replies, the rubric's
 weighted mean and the reward combination against hand-computed values, ranking mapped back
 through the shuffle, the cache (memory and JSONL), timeouts and unreadable replies ending as
 ``judge_error``, and the run's own proxy as judge (non-trained sessions of group
@@ -22,10 +22,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from areal_agents.errors import ConfigError
-from areal_agents.runner import EpisodeResult
-from areal_agents.trajectory import Completion, Episode
-from trainer.config import RewardsConfig, load_config
-from trainer.judge import (
+from areal_agents.rollout.runner import EpisodeResult
+from areal_agents.trainer.config import RewardsConfig, load_config
+from areal_agents.trainer.judge import (
     Criterion,
     HttpBackend,
     Judge,
@@ -37,6 +36,7 @@ from trainer.judge import (
     trace_summary,
     yes_probability,
 )
+from areal_agents.trajectory import Completion, Episode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -333,7 +333,7 @@ def test_a_missing_api_key_is_a_config_error(monkeypatch):
 # ---------------------------------------------------------------------------- own proxy
 async def test_the_runs_own_proxy_judges_in_sessions_of_their_own(qwen_chat_tokenizer, tmp_path):
     from areal_agents import FakeEngine, Proxy
-    from areal_agents.store import EpisodeStore
+    from areal_agents.serve.store import EpisodeStore
 
     tok = qwen_chat_tokenizer
     end = tok.token_id("<|im_end|>")
@@ -395,7 +395,7 @@ def test_config_errors_name_the_fix(overrides, message):
 
 
 async def test_a_judge_that_never_scores_ends_the_run(judge_server):
-    from trainer.judge import FAIL_FAST
+    from areal_agents.trainer.judge import FAIL_FAST
 
     url, _ = judge_server
     j = await _http_judge(url, None, retries=0)
@@ -413,7 +413,7 @@ def test_the_judge_example_trains_on_judged_rewards(judge_server, tiny_model_dir
     rescored episodes, and the step's metrics carry the judge's cost."""
     import sqlite3
 
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     url, _ = judge_server
     run = tmp_path / "run"
@@ -454,7 +454,7 @@ def test_the_research_example_runs_warm_start_step_groups_and_judge(
     on demonstrations the env writes, step-level groups, the summarize policy and the fake
     judge over HTTP. Untrained, the model never opens a document: every episode's reward is
     1.0 * recall x precision (0) + 0.5 * the judge's 0.2."""
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     url, _ = judge_server
     run = tmp_path / "run"

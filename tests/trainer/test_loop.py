@@ -17,16 +17,22 @@ import pytest
 import torch
 
 from areal_agents.errors import ConfigError
+from areal_agents.trainer.algorithms import ALGORITHMS
+from areal_agents.trainer.batch import (
+    add_gae,
+    build_batch,
+    make_loss_fn,
+    make_value_loss_fn,
+    split_batch,
+)
+from areal_agents.trainer.checkpoint import RunState
+from areal_agents.trainer.config import load_config
+from areal_agents.trainer.critic import Critic
+from areal_agents.trainer.loop import Trainer, _algorithm, out_of_time_budget, policy_updates
+from areal_agents.trainer.policy import Policy, pack
+from areal_agents.trainer.rollout import GroupSource, SourceSettings
+from areal_agents.trainer.staleness import StalenessGate
 from areal_agents.trajectory import Completion, Episode
-from trainer.algorithms import ALGORITHMS
-from trainer.batch import add_gae, build_batch, make_loss_fn, make_value_loss_fn, split_batch
-from trainer.checkpoint import RunState
-from trainer.config import load_config
-from trainer.critic import Critic
-from trainer.loop import Trainer, _algorithm, out_of_time_budget, policy_updates
-from trainer.policy import Policy, pack
-from trainer.rollout import GroupSource, SourceSettings
-from trainer.staleness import StalenessGate
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +43,8 @@ def policy(tiny_model_dir: Path) -> Policy:
 def register_parity_env() -> None:
     """``test/Parity-v0``: one turn; the reward depends on the sampled text (its length's
     parity), so a group's advantages are not all 0."""
-    import envs
-    from envs.base import AgentEnv
+    from areal_agents import envs
+    from areal_agents.envs.base import AgentEnv
 
     class Parity(AgentEnv):
         def _start(self, options):
@@ -152,7 +158,7 @@ def test_sampled_logprobs_match_the_trainers_at_each_calls_temperature(tiny_mode
     """Episodes whose calls chose their own temperature (0.5 and 1.6, while the config says
     1.0): the batch scores each token at its call's temperature, so the trainer's logprobs
     under the sampling weights equal the engine's (ratio 1 on fresh data)."""
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     register_parity_env()
     cfg = load_config(
@@ -500,7 +506,7 @@ def test_a_source_is_ready_when_its_queue_holds_the_batch_or_it_failed():
 
 
 def test_probe_size_is_checked_and_only_for_dynamic_sampling():
-    from trainer.config import DYNAMIC_SAMPLING_ALGORITHMS
+    from areal_agents.trainer.config import DYNAMIC_SAMPLING_ALGORITHMS
 
     assert {n for n, spec in ALGORITHMS.items() if spec.dynamic_sampling} == set(
         DYNAMIC_SAMPLING_ALGORITHMS
@@ -520,9 +526,9 @@ def test_a_uniform_probe_drops_its_group_before_the_rest_is_generated(tiny_model
     Odd ones pay the parity of the reply's length: those that pass are completed."""
     from collections import Counter
 
-    import envs
-    from envs.base import AgentEnv
-    from trainer.loop import Trainer
+    from areal_agents import envs
+    from areal_agents.envs.base import AgentEnv
+    from areal_agents.trainer.loop import Trainer
 
     resets: Counter[int] = Counter()
     order: list[int] = []
@@ -561,7 +567,9 @@ def test_a_uniform_probe_drops_its_group_before_the_rest_is_generated(tiny_model
         ],
     )
     summary = asyncio.run(Trainer(cfg, quiet=True).run())
-    resets[order[0]] -= 1  # the up-front check of the env (envs.registry.probe) reset it once
+    resets[order[0]] -= (
+        1  # the up-front check of the env (areal_agents.envs.registry.probe) reset it once
+    )
     even = [n for t, n in resets.items() if t % 2 == 0]
     assert even and max(even) == 2, "an all-equal probe ends its group after 2 episodes"
     assert summary["dropped/uniform_probe"] >= len(even)
@@ -624,7 +632,7 @@ def _train_cmd(tiny_model_dir: Path, out: Path, steps: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "areal_agents.cli",
+        "areal_agents.cli.main",
         "train",
         "--quiet",
         "env.id=areal/Calculator-v0",
@@ -682,7 +690,7 @@ def test_kill_9_then_resume_loses_and_repeats_no_group(tiny_model_dir, tmp_path)
 def test_eta0_async_loop_equals_a_synchronous_step(tiny_model_dir, tmp_path):
     """With max_head_offpolicyness = 0 the loop is the synchronous baseline: the same groups,
     all sampled by version 0, and the same update as generating first and then training."""
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     register_parity_env()
 
@@ -762,7 +770,7 @@ def test_eta0_async_loop_equals_a_synchronous_step(tiny_model_dir, tmp_path):
 def test_ppo_runs_in_the_loop_and_resumes_its_critic(tiny_model_dir, tmp_path):
     """algorithm=ppo trains through the loop (one episode per group: no group baseline), logs
     value_loss and explained_variance, and a resumed run continues from the saved critic."""
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     class Recording(Trainer):
         def _build(self):
@@ -820,7 +828,7 @@ def test_dapo_overlong_penalty_reaches_the_returns_by_hand():
     """L_max = 10, L_cache = 4: lengths 5, 8, 10 get 0, (6 - 8) / 4 = -0.5 and -1. One group
     of three one-turn episodes with final reward 1 each: returns [1, 0.5, 0] -> GRPO
     advantages (R - mean) / std = [1, 0, -1]; the recorded episodes keep their rewards."""
-    from trainer.algorithms import OverlongSpec
+    from areal_agents.trainer.algorithms import OverlongSpec
 
     spec = dataclasses.replace(ALGORITHMS["dapo"], overlong=OverlongSpec(cache_len=4))
     eps = []
@@ -948,7 +956,7 @@ def test_entropy_bonus_without_entropy_gradients_names_the_fix(tiny_model_dir):
 def test_agent_train_masks_the_other_agents_completions_out_of_the_loss():
     """agent.train = [billing]: the triage turn stays in the merged sample's prompt and in
     the returns, but its tokens carry no loss mask and no weight; the ledger lists it apart."""
-    from trainer.algorithms import get_algorithm
+    from areal_agents.trainer.algorithms import get_algorithm
 
     spec = get_algorithm("grpo")
     eps = []

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.loss import (
+from areal_agents.trainer.loss import (
     LossSpec,
     aggregate,
     approx_proximal_logp,

@@ -10,8 +10,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from trainer.config import load_config
-from trainer.memory import MemoryEstimate, estimate_for_config, estimate_memory
+from areal_agents.trainer.config import load_config
+from areal_agents.trainer.memory import MemoryEstimate, estimate_for_config, estimate_memory
 
 F32 = 4
 
@@ -267,8 +267,8 @@ class Trainee:
 
     def step(self, loss: str) -> None:
         """Forward, a loss over the vocabulary, backward, clipping and an AdamW step."""
-        from trainer.loss import entropy_from_logits
-        from trainer.policy import token_logprobs
+        from areal_agents.trainer.loss import entropy_from_logits
+        from areal_agents.trainer.policy import token_logprobs
 
         out = self.model(input_ids=self.ids, position_ids=self.positions, use_cache=False)
         rows, targets = out.logits[0, :-1], self.ids[0, 1:]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from trainer.policy import Policy, make_tree_packed, pack_shared, tree_tokens
+from areal_agents.trainer.policy import Policy, make_tree_packed, pack_shared, tree_tokens
 
 
 def _seqs() -> list[list[int]]:

@@ -11,13 +11,12 @@ from typing import Any
 
 import pytest
 
-import envs
-from areal_agents import ChatTokenizer, FakeEngine, Proxy
-from areal_agents.runner import AgentTask, Runner
-from areal_agents.server import LoopServer
-from envs.base import AgentEnv
-from trainer.checkpoint import RunState
-from trainer.rollout import (
+from areal_agents import ChatTokenizer, FakeEngine, Proxy, envs
+from areal_agents.envs.base import AgentEnv
+from areal_agents.rollout.runner import AgentTask, Runner
+from areal_agents.serve.server import LoopServer
+from areal_agents.trainer.checkpoint import RunState
+from areal_agents.trainer.rollout import (
     AgentSource,
     EnvSource,
     ExternalSource,
@@ -102,7 +101,7 @@ async def source_of(kind: str, tokenizer, state: RunState, **kw: Any) -> AsyncIt
             src = AgentSource(s, state, runner, make_env, agent, server)
         else:
             from areal_agents.client import AgentWorker
-            from areal_agents.workers import WorkerHub
+            from areal_agents.rollout.workers import WorkerHub
 
             hub = WorkerHub(proxy, "tok", heartbeat_timeout_s=5.0)
             src = ExternalSource(s, state, runner, make_env, hub, server)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from areal_agents.errors import ConfigError
-from trainer.config import load_config
-from trainer.loop import lr_schedule
-from trainer.policy import Policy
-from trainer.schedule import LrSchedule
+from areal_agents.trainer.config import load_config
+from areal_agents.trainer.loop import lr_schedule
+from areal_agents.trainer.policy import Policy
+from areal_agents.trainer.schedule import LrSchedule
 
 # lr = 1, W = 2, T = 6. Training step k + 1 (k = 0..6):
 #   warmup  k = 0, 1:  (k + 1) / 2          -> 0.5, 1.0
@@ -93,7 +93,7 @@ def test_cosine_schedule_drives_the_optimizer_through_the_loop_and_a_resume(
     """optim.schedule=cosine, warmup 1, 3 steps: the rates are lr * [1, 1, 0.5] (k = 0 ends
     the warmup; k = 1, 2 decay with p = 0, 1/2). They are logged as optim/lr, and a run
     stopped after step 2 and resumed runs step 3 at lr / 2."""
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     seen: list[float] = []
 

@@ -17,10 +17,10 @@ import pytest
 
 from areal_agents import ChatTokenizer, FakeEngine, Proxy
 from areal_agents.client import TaskGone, TrainerSessions, WorkerError
-from areal_agents.server import LoopServer
-from trainer.checkpoint import RunState
-from trainer.config import load_config
-from trainer.rollout import SessionSource, SourceSettings
+from areal_agents.serve.server import LoopServer
+from areal_agents.trainer.checkpoint import RunState
+from areal_agents.trainer.config import load_config
+from areal_agents.trainer.rollout import SessionSource, SourceSettings
 
 G, B, TOKEN = 3, 2, "wk-test"
 
@@ -274,7 +274,7 @@ def test_areal_agent_train_learns_from_a_self_rewarded_service(tiny_model_dir, t
     rewards with the worker token, two steps train on them."""
     import threading
 
-    from trainer.loop import Trainer
+    from areal_agents.trainer.loop import Trainer
 
     out = tmp_path / "run"
     cfg = load_config(

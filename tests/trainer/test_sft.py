@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from areal_agents.chat import ChatTokenizer
+from areal_agents.envs.math import CalculatorEnv, demos
 from areal_agents.errors import ConfigError
-from envs.math import CalculatorEnv, demos
-from trainer.policy import Policy
-from trainer.sft import load_demos, run_sft, sft_sample
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.trainer.policy import Policy
+from areal_agents.trainer.sft import load_demos, run_sft, sft_sample
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_demo_file_errors_name_the_line(tmp_path):
 
 
 def test_sft_config_needs_demos_or_generate():
-    from trainer.config import load_config
+    from areal_agents.trainer.config import load_config
 
     with pytest.raises(ConfigError, match=r"sft\.demos.*sft\.generate"):
         load_config(None, ["env.id=areal/Calculator-v0", "sft.enabled=true"])
@@ -75,8 +75,8 @@ def test_generated_warm_start_is_checkpointed_as_step_0_and_not_redone(tiny_mode
     import asyncio
     import json
 
-    from trainer.config import load_config
-    from trainer.loop import Trainer
+    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.loop import Trainer
 
     class Counting(Trainer):
         warm_starts = 0

