@@ -104,14 +104,15 @@ _LAZY: dict[str, str] = {
 
 def make(env_id: str, **kwargs: Any) -> Any:
     """Create a registered environment (``gymnasium.make`` with areal's registry loaded)."""
-    from areal_agents.envs.registry import make as _make
+    # gymnasium and numpy stay out of ``import areal_agents`` (a worker has neither).
+    from areal_agents.envs.registry import make as _make  # noqa: PLC0415  envs load on use
 
     return _make(env_id, **kwargs)
 
 
 def register(env_id: str, entry_point: Any, **kwargs: Any) -> None:
     """Register an environment under ``env_id`` (``gymnasium.register``)."""
-    import gymnasium
+    import gymnasium  # noqa: PLC0415  gymnasium (numpy) loads on use, not with the package
 
     gymnasium.register(id=env_id, entry_point=entry_point, **kwargs)
 

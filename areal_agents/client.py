@@ -245,7 +245,7 @@ class WorkerTask:
 
     def openai_client(self, **kwargs: Any) -> Any:
         """``openai.AsyncOpenAI`` on this task's session."""
-        from openai import AsyncOpenAI
+        from openai import AsyncOpenAI  # noqa: PLC0415  openai is optional for a worker
 
         return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
@@ -524,7 +524,7 @@ def _preload_openai() -> None:
     """Import openai now, before any task: a first import inside an agent would hold up the
     event loop (and so the heartbeats) for a second or more."""
     with contextlib.suppress(ImportError):
-        import openai  # noqa: F401
+        import openai  # noqa: F401, PLC0415  openai is optional for a worker
 
 
 def _is_async(fn: Any) -> bool:
@@ -554,7 +554,7 @@ class TrainerSession:
 
     def openai_client(self, **kwargs: Any) -> Any:
         """``openai.AsyncOpenAI`` on this session (needs the ``openai`` package)."""
-        from openai import AsyncOpenAI
+        from openai import AsyncOpenAI  # noqa: PLC0415  openai is optional for a worker
 
         return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 

@@ -21,12 +21,18 @@ episode, are recorded on it, counted, and never crash a batch::
     │   └── AgentLost             an agent in another process stopped answering (no
     │                             heartbeat, no result in time, or the worker hub closed)
     └── ApiError                  the proxy's answer to a bad call, in the OpenAI error
-                                  format with its HTTP status (``areal_agents.serve.proxy``)
+                                  format with its HTTP status (``areal_agents.serve.api_error``)
 
 Every ``RolloutError`` has a short machine-readable ``kind`` used as the counted reason.
+
+:func:`check_import_name` turns an import string that still uses a pre-0.2.0 name
+(``tools.calculator:calculator``) into a ``ConfigError`` that names the new one.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 
 class ArealError(Exception):
@@ -105,7 +111,54 @@ class AgentLost(RolloutError):
     kind = "agent_lost"
 
 
+RENAMED_FOLDERS = ("envs", "tools", "trainer")
+"""Folders that installed as top-level packages before 0.2.0 and install inside
+``areal_agents`` since (``envs.math.env`` -> ``areal_agents.envs.math.env``)."""
+
+
+def renamed_import(name: str) -> str | None:
+    """The 0.2.0 name of a module named by its pre-0.2.0 name, else ``None``.
+
+    ``name`` is old when it starts with one of :data:`RENAMED_FOLDERS`, the same module exists
+    under ``areal_agents``, and the bare top-level name is not some other installed package
+    (a user's own ``tools`` package stays theirs): it resolves to nothing, or to this
+    project's folder (as it does in a source checkout's root).
+    """
+    top = name.partition(".")[0]
+    if top not in RENAMED_FOLDERS:
+        return None
+    new = f"areal_agents.{name}"
+    try:
+        ours = importlib.util.find_spec(new)
+        package = importlib.util.find_spec(f"areal_agents.{top}")
+    except (ImportError, ValueError):
+        return None
+    if ours is None or package is None or package.origin is None:
+        return None
+    try:
+        bare = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        bare = None
+    theirs = bare.origin if bare is not None else None
+    if theirs is not None and os.path.realpath(theirs) != os.path.realpath(package.origin):
+        return None
+    return new
+
+
+def check_import_name(spec: str, where: str) -> None:
+    """Raise :class:`ConfigError` if the import string ``spec`` (``module`` or
+    ``module:attr``) names a module by its pre-0.2.0 name; ``where`` names the setting."""
+    module, sep, attr = spec.strip().partition(":")
+    new = renamed_import(module)
+    if new is not None:
+        raise ConfigError(
+            f"{where}: {spec.strip()!r} uses the name the module had before 0.2.0; it is now "
+            f"{new + sep + attr!r} (envs/, tools/ and trainer/ install inside areal_agents)"
+        )
+
+
 __all__ = [
+    "RENAMED_FOLDERS",
     "AgentError",
     "AgentLost",
     "ArealError",
@@ -122,4 +175,6 @@ __all__ = [
     "ToolCallParseError",
     "ToolError",
     "UserError",
+    "check_import_name",
+    "renamed_import",
 ]

@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tqdm import tqdm
+
 from areal_agents.errors import ModelNotFound
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -79,9 +81,13 @@ def default_model_dir(*, quiet: bool = False) -> Path:
 
 
 def _convert_gguf(gguf: Path, target: Path, *, quiet: bool) -> None:
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    import torch  # noqa: PLC0415  torch loads only to convert the model
+    from transformers import (  # noqa: PLC0415  transformers loads only to convert the model
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+    )
 
     steps = ["read GGUF weights", "build plain model", "copy weights", "save"]
     bar = tqdm(steps, desc=f"preparing {DEFAULT_MODEL} (once)", disable=quiet, file=sys.stderr)

@@ -181,7 +181,7 @@ def make_config(
 ) -> Any:
     from rl_common import SLOW_ENV_ID
 
-    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.config_io import load_config
 
     kwargs = ", ".join(f"{k}: {v}" for k, v in env_kwargs(args).items())
     lora = (

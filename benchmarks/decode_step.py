@@ -23,23 +23,24 @@ def build(path: str, new: bool, rows: int, suffix: int) -> Any:
     from transformers import AutoModelForCausalLM
 
     from areal_agents.engines import embedded as E
+    from areal_agents.engines.batching import Request
     from areal_agents.engines.protocol import SamplingParams
 
-    saved = E._slice_output_projection, E._use_cascade_attention
+    saved = E.slice_output_projection, E.use_cascade_attention
     if not new:  # the baseline: the engine without its two decode-step changes
-        E._slice_output_projection = E._use_cascade_attention = lambda model: None  # type: ignore[assignment]
+        E.slice_output_projection = E.use_cascade_attention = lambda model: None  # type: ignore[assignment]
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         engine = E.EmbeddedEngine(model, eos_token_ids=(), max_batch_size=rows)
     finally:
-        E._slice_output_projection, E._use_cascade_attention = saved
+        E.slice_output_projection, E.use_cascade_attention = saved
     asyncio.run(engine.close())  # the steps are driven from this thread below
     loop = asyncio.new_event_loop()
     shared = list(range(1000, 1273))
     for i in range(rows):
         params = SamplingParams(temperature=1.0, max_new_tokens=10_000, seed=i)
         own = [2000 + i + j for j in range(suffix - i % 7)]
-        req = E._Request([*shared, *own], params, loop.create_future(), loop)
+        req = Request([*shared, *own], params, loop.create_future(), loop)
         req.generator = torch.Generator().manual_seed(i)
         engine._waiting.append(req)
     with torch.inference_mode():

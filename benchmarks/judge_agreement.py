@@ -1,5 +1,5 @@
-"""How often an LLM judge (``rewards.judge``, :mod:`areal_agents.trainer.judge`) agrees with the gold
-answers of ``areal/Search-v0``'s knowledge base.
+"""How often an LLM judge (``rewards.judge``, :mod:`areal_agents.trainer.judge`) agrees with
+the gold answers of ``areal/Search-v0``'s knowledge base.
 
 The model answers N held-out questions with search/open (greedy, through the proxy, as in a
 training run). Each episode is judged twice with the rubric of
@@ -70,7 +70,7 @@ async def main() -> None:
     from areal_agents.rollout.runner import Runner
     from areal_agents.serve.chat import ChatTokenizer
     from areal_agents.serve.proxy import Proxy
-    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.config_io import load_config
     from areal_agents.trainer.judge import make_judge
 
     overrides = [] if args.judge_url is None else [f"rewards.judge.base_url={args.judge_url}"]

@@ -2,10 +2,11 @@
 
 The same embedded engine (continuous batching, ``--concurrency`` requests of ``--new-tokens``
 sampled tokens each, end-of-sequence ignored) serves the same adapter two ways: merged
-(``W0 + s B A``, what the engine does for a float32 model: ``areal_agents.engines.weights.MergedLora``)
-and through peft's forward (``W x + s B (A x)`` per adapted layer, the baseline). The two run
-alternately, ``--repeats`` times each, and the script prints each rate, the ratio of the
-medians, and how far one greedy request agrees between the two (tokens, logprobs).
+(``W0 + s B A``, what the engine does for a float32 model:
+``areal_agents.engines.weights.MergedLora``) and through peft's forward (``W x + s B (A x)``
+per adapted layer, the baseline). The two run alternately, ``--repeats`` times each, and
+the script prints each rate, the ratio of the medians, and how far one greedy request agrees
+between the two (tokens, logprobs).
 
     python benchmarks/lora_merge.py [--adapter DIR] [--concurrency 32] [--new-tokens 64]
 

@@ -222,7 +222,8 @@ def tiny_model_dir() -> Path:
 
 # ------------------------------------------------------------------------------ trainer
 class TimedTrainer(Trainer):
-    """``areal_agents.trainer.loop.Trainer`` recording the start of rollouts and the end of each step.
+    """``areal_agents.trainer.loop.Trainer`` recording the start of rollouts and the end of each
+    step.
 
     ``t_start`` is taken when the engine, policy and runner are built (rollouts start right
     after); ``step_ends[k]`` when step k's optimizer step returns (before its weights reach

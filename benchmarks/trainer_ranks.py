@@ -3,8 +3,8 @@ threads, on the same batch of the same model, in the same run.
 
     python benchmarks/trainer_ranks.py [--model DIR] [--groups 4] [--size 4] [--steps 2]
 
-Both sides run ``areal_agents.trainer.loop.train_on_batch`` (GRPO, LoRA by default, proximal logprobs
-recomputed) on one batch of synthetic episodes (random prompt and output tokens; each
+Both sides run ``areal_agents.trainer.step.train_on_batch`` (GRPO, LoRA by default, proximal
+logprobs recomputed) on one batch of synthetic episodes (random prompt and output tokens; each
 group shares its prompt). Reported: seconds per step (the mean after one warm-up step)
 and trained tokens per second; the ratio is ranks over one process. On shared CPU cores
 the ranks cannot be faster: they split the same cores and add the gradient reductions;
@@ -65,7 +65,8 @@ def _episodes(groups: int, size: int, prompt_len: int, out_len: int) -> list[Any
 
 def _time_steps(policy: Any, episodes: list[Any], cfg: Any, steps: int) -> dict[str, float]:
     from areal_agents.trainer.batch import build_batch
-    from areal_agents.trainer.loop import _algorithm, train_on_batch
+    from areal_agents.trainer.loop import _algorithm
+    from areal_agents.trainer.step import train_on_batch
 
     spec = _algorithm(cfg)
     times, tokens = [], 0.0
@@ -81,7 +82,7 @@ def _time_steps(policy: Any, episodes: list[Any], cfg: Any, steps: int) -> dict[
 
 
 def _config(model: str, lora: bool) -> Any:
-    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.config_io import load_config
 
     extra = ["model.lora.enabled=true"] if lora else []
     return load_config(None, [*OVERRIDES, *extra, f"model.path={model}"])

@@ -13,8 +13,8 @@ threads, and both time the steps after a warm-up step:
 * objective: GRPO with group-normalized advantages (mean and std), clip 0.2, per-sequence
   token mean (TRL ``loss_type="grpo"``), no KL term, constant learning rate, AdamW,
   gradient clipping at 1.0, one optimizer step per batch;
-* ours: ``areal_agents.trainer.loop.Trainer`` (the code path of ``areal-agent train``) in this process:
-  the embedded engine (continuous batching, KV cache) generates through the recording
+* ours: ``areal_agents.trainer.loop.Trainer`` (the code path of ``areal-agent train``) in this
+  process: the embedded engine (continuous batching, KV cache) generates through the recording
   proxy and the episode runner, the policy trains on packed sequences; synchronous by default
   (``--eta 0``, the same on-policy schedule as TRL), proximal logprobs by the log-linear rule
   (no extra forward pass; TRL skips its old-logprob pass too when generation and the
@@ -145,7 +145,7 @@ def run_ours(args: argparse.Namespace, model: str) -> Any:
     """Run our trainer in this process; returns the finished TimedTrainer."""
     from rl_common import ARITHMETIC_ENV_ID, TimedTrainer
 
-    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.config_io import load_config
 
     total = WARMUP_STEPS + args.steps
     group = args.prompts * args.generations

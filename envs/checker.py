@@ -31,6 +31,7 @@ from typing import Any
 
 from gymnasium.error import ResetNeeded
 
+from areal_agents.envs.registry import make
 from areal_agents.envs.spaces import message_problem
 from areal_agents.errors import UserError
 from areal_agents.tools.tool import Tool
@@ -265,8 +266,6 @@ def check_env(env: Any, seed: int = 0) -> None:
         EnvCheckError: listing every failed check.
     """
     if isinstance(env, str):
-        from areal_agents.envs.registry import make
-
         env = make(env)
     checker = _Checker(env, seed)
     first = checker.check_reset()

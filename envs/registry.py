@@ -33,7 +33,8 @@ from typing import Any
 
 import gymnasium
 
-from areal_agents.errors import ArealError, ConfigError, EnvNotFound
+from areal_agents.envs.mcp import add_mcp_tools
+from areal_agents.errors import ArealError, ConfigError, EnvNotFound, check_import_name
 
 __all__ = ["ENTRY_POINT_GROUP", "list_envs", "load_plugins", "make", "probe", "register"]
 
@@ -105,7 +106,13 @@ def register(
             when empty and ``entry_point`` is a class.
         kwargs: Default constructor kwargs (``make`` kwargs override them).
         override: Replace an existing registration instead of raising ``ValueError``.
+
+    Raises:
+        ConfigError: ``entry_point`` names a module by its pre-0.2.0 name
+            (``"envs.math.env:MathEnv"``); the message names the new one.
     """
+    if isinstance(entry_point, str):
+        check_import_name(entry_point, f"entry point of {id!r}")
     if id in gymnasium.registry and not override:
         if _DESCRIPTIONS.get(id) is not None and gymnasium.registry[id].entry_point == entry_point:
             return  # the same registration again (a re-import): nothing to do
@@ -171,9 +178,9 @@ def make(id: str, **kwargs: Any) -> Any:
     """Create the env registered as ``id``; ``kwargs`` override the registered defaults.
 
     ``mcp`` is not passed to the env: it adds the tools of one MCP server (a mapping, see
-    :mod:`areal_agents.tools.mcp_client`) or of several (a list of mappings) to the env's own, in every
-    episode: ``make("areal/Search-v0", mcp={"command": ["python", "server.py"]})``, or
-    ``env.kwargs.mcp`` in a training config.
+    :mod:`areal_agents.tools.mcp_client`) or of several (a list of mappings) to the env's own,
+    in every episode: ``make("areal/Search-v0", mcp={"command": ["python", "server.py"]})``,
+    or ``env.kwargs.mcp`` in a training config.
 
     Raises:
         EnvNotFound: ``id`` is not registered (the message suggests the nearest ids).
@@ -186,8 +193,6 @@ def make(id: str, **kwargs: Any) -> Any:
     servers = kwargs.pop("mcp", None)
     env = gymnasium.make(id, disable_env_checker=True, **kwargs).unwrapped
     if servers is not None:
-        from areal_agents.envs.mcp import add_mcp_tools
-
         try:
             add_mcp_tools(env, servers, where=f"env {id}: mcp")
         except BaseException:

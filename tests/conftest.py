@@ -25,8 +25,9 @@ def qwen_tokenizer_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
 
-def build_tiny_qwen3(out: Path, seed: int = 0) -> Path:
-    """Write a seeded random ~20M-parameter Qwen3 plus the real tokenizer into ``out``."""
+def build_tiny_qwen3(out: Path, seed: int = 0, **overrides: object) -> Path:
+    """Write a seeded random ~20M-parameter Qwen3 plus the real tokenizer into ``out``;
+    ``overrides`` replace entries of its config (see the variants below)."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -34,7 +35,7 @@ def build_tiny_qwen3(out: Path, seed: int = 0) -> Path:
     for f in src.iterdir():
         shutil.copy(f, out / f.name)
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
+    config: dict[str, object] = dict(
         vocab_size=151936,
         hidden_size=128,
         intermediate_size=256,
@@ -48,6 +49,7 @@ def build_tiny_qwen3(out: Path, seed: int = 0) -> Path:
         bos_token_id=None,
         pad_token_id=151643,
     )
+    cfg = Qwen3Config(**{**config, **overrides})
     model = Qwen3ForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(out)
     GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(out)
@@ -57,6 +59,23 @@ def build_tiny_qwen3(out: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def narrow_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 at a quarter of its width (hidden 32), for tests that compare runs of
+    one model with each other (sharded against unsharded training): most of the tiny
+    model's compute and of its ranks' traffic is its 151936 x 128 embedding."""
+    return build_tiny_qwen3(tmp_path_factory.mktemp("narrow-qwen3"), hidden_size=32)
+
+
+@pytest.fixture(scope="session")
+def talking_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 with an output head of its own and an 8192-token context: its greedy
+    replies are (random) words, where the tied tiny model echoes its prompt's last token
+    ('\\n', an empty message), and tau2's 4.5K-token prompts fit."""
+    out = tmp_path_factory.mktemp("talking-qwen3")
+    return build_tiny_qwen3(out, tie_word_embeddings=False, max_position_embeddings=8192)
 
 
 async def _check_source(src, state, batch: int, group: int) -> None:
@@ -109,7 +128,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path):
 
     import sqlalchemy as sa
 
-    from areal_agents.serve.store import store_url as to_url
+    from areal_agents.serve.store_schema import store_url as to_url
 
     name = "t_" + uuid.uuid4().hex[:12]
     admin = sa.create_engine(to_url(server), isolation_level="AUTOCOMMIT")

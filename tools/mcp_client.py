@@ -17,11 +17,11 @@ described by a mapping, the same in a training config (``env.kwargs.mcp``), in
 Its tools are listed once when the connection opens and become :class:`MCPTool` objects:
 the tool schema the model sees is the server's (name, description, ``inputSchema`` as the
 JSON-schema parameters), and a call is validated against that schema like any
-:class:`~areal_agents.tools.tool.Tool` (a model mistake is an ``"Error: ..."`` result naming the expected
-arguments), then sent as ``tools/call``. The result's text content (and the text of embedded
-text resources) becomes the tool message; a result with only structured content gives its
-JSON; images, audio and binary resources are named, not inlined. ``isError`` gives an
-``"Error: ..."`` result of kind ``"tool_exception"``; a call past ``timeout_s`` one of kind
+:class:`~areal_agents.tools.tool.Tool` (a model mistake is an ``"Error: ..."`` result naming
+the expected arguments), then sent as ``tools/call``. The result's text content (and the text
+of embedded text resources) becomes the tool message; a result with only structured content
+gives its JSON; images, audio and binary resources are named, not inlined. ``isError`` gives
+an ``"Error: ..."`` result of kind ``"tool_exception"``; a call past ``timeout_s`` one of kind
 ``"timeout"`` (the call never hangs the episode); a server that crashed or closed the
 connection one of kind ``"mcp_error"``, and the next call reconnects (restarting a stdio
 server), so the run goes on.
@@ -211,8 +211,8 @@ def _seconds(value: Any, where: str) -> float:
 
 def _require_mcp() -> Any:
     try:
-        import mcp
-        from mcp.client.client import Client  # noqa: F401 (the 2.x API)
+        import mcp  # noqa: PLC0415  mcp is an optional extra (areal-agents[mcp])
+        from mcp.client.client import Client  # noqa: F401, PLC0415  the 2.x API of that extra
     except ImportError as exc:
         raise ConfigError(
             f"MCP tools need the mcp package, 2.x ({exc}); install it with "
@@ -360,7 +360,7 @@ class MCPConnection:
 
     async def _hold(self, ready: asyncio.Future[list[Any]], stop: asyncio.Event) -> None:
         """Keep the client open (its anyio scopes live in this one task) until ``stop``."""
-        from mcp import Client
+        from mcp import Client  # noqa: PLC0415  mcp is an optional extra, checked on connect
 
         try:
             async with Client(self._server(), mode="auto") as client:
@@ -378,7 +378,7 @@ class MCPConnection:
             self._client = None
 
     def _server(self) -> Any:
-        from mcp import StdioServerParameters
+        from mcp import StdioServerParameters  # noqa: PLC0415  mcp is an optional extra
 
         if self.config.url is not None:
             return self.config.url
@@ -407,8 +407,11 @@ class MCPConnection:
     async def _call(
         self, name: str, arguments: Mapping[str, Any] | None, timeout: float
     ) -> ToolResult:
-        from mcp import MCPError
-        from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+        from mcp import MCPError  # noqa: PLC0415  mcp is an optional extra
+        from mcp_types import (  # noqa: PLC0415  part of the optional mcp extra
+            CONNECTION_CLOSED,
+            REQUEST_TIMEOUT,
+        )
 
         assert self._lock is not None
         client = self._client

@@ -157,7 +157,7 @@ def simple_stem(word: str) -> str:
 
 def _snowball() -> Callable[[str], str]:
     try:
-        import Stemmer  # PyStemmer
+        import Stemmer  # noqa: PLC0415  PyStemmer is optional, for stemmer='snowball' only
     except ImportError as exc:
         raise ImportError(
             "stemmer='snowball' needs PyStemmer: pip install PyStemmer "
@@ -296,7 +296,7 @@ class BM25Retriever(Retriever):
         snippet_chars: int = 200,
     ) -> None:
         super().__init__(documents, snippet_chars=snippet_chars)
-        import bm25s
+        import bm25s  # noqa: PLC0415  bm25s is an optional extra (areal-agents[search])
 
         self._stem = _resolve_stemmer(stemmer)
         self._stopwords = frozenset(stopwords)
@@ -354,7 +354,9 @@ class DenseRetriever(Retriever):
         super().__init__(documents, snippet_chars=snippet_chars)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
-            from sentence_transformers import SentenceTransformer
+            from sentence_transformers import (  # noqa: PLC0415  optional extra, loads torch
+                SentenceTransformer,
+            )
         except ImportError as exc:
             raise ImportError(
                 f"DenseRetriever needs sentence-transformers: {DENSE_INSTALL_HINT}"

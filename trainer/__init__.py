@@ -1,11 +1,11 @@
 """RL training: advantages, the one policy loss, and the algorithms that configure it.
 
-``areal_agents.trainer.advantage`` turns returns into advantages (group baselines over episodes,
-GiGPO's step-level groups, GAE per token or per turn, loss weights, DAPO's helpers),
-``areal_agents.trainer.loss`` holds the decoupled PPO objective, the value loss and logprob helpers,
-``areal_agents.trainer.critic`` PPO's value model, ``areal_agents.trainer.algorithms`` names the family (GRPO,
-Dr.GRPO, LitePPO, RLOO, GSPO, DAPO, PPO, REINFORCE++, SAPO, M2PO) as configurations of
-them::
+``areal_agents.trainer.advantage`` turns returns into advantages (group baselines over
+episodes, GiGPO's step-level groups, GAE per token or per turn, loss weights, DAPO's
+helpers), ``areal_agents.trainer.loss`` holds the decoupled PPO objective, the value loss
+and logprob helpers, ``areal_agents.trainer.critic`` PPO's value model,
+``areal_agents.trainer.algorithms`` names the family (GRPO, Dr.GRPO, LitePPO, RLOO, GSPO,
+DAPO, PPO, REINFORCE++, SAPO, M2PO) as configurations of them::
 
     from areal_agents.trainer import get_algorithm, completion_returns
 

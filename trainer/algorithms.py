@@ -309,7 +309,8 @@ def dapo() -> AlgorithmSpec:
 def ppo() -> AlgorithmSpec:
     """PPO: "Proximal Policy Optimization Algorithms" (Schulman et al., 2017) with GAE from
     "High-Dimensional Continuous Control Using Generalized Advantage Estimation" (2016).
-    V is a separate critic (``areal_agents.trainer.critic``), t runs over the sampled tokens of a sample::
+    V is a separate critic (``areal_agents.trainer.critic``), t runs over the sampled tokens of
+    a sample::
 
         delta_t = r_t + gamma_t V(t+1) - V(t),     A_t = delta_t + gamma_t lam A_{t+1}
         r_t     = the reward of completion c at its last token (+ the final reward at a leaf)

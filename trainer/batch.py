@@ -25,6 +25,7 @@ from areal_agents.trainer.critic import (
     gae_inputs,
     turn_critic_targets,
 )
+from areal_agents.trainer.loss import approx_proximal_logp
 from areal_agents.trajectory import UNMERGEABLE, Completion, Episode, TrainingSample
 
 
@@ -304,9 +305,9 @@ def apply_overlong(
 
 def add_gae(batch: Batch, values: list[torch.Tensor], spec: AlgorithmSpec) -> dict[str, float]:
     """PPO: per-token advantages and returns of ``batch`` by GAE from the critic's ``values``
-    (``areal_agents.trainer.critic.critic_targets``; ``turn_critic_targets`` with ``advantage.estimator:
-    turn_gae``, which also sets the value loss's ``value_mask`` and ``value_weights``);
-    returns their metrics."""
+    (``areal_agents.trainer.critic.critic_targets``; ``turn_critic_targets`` with
+    ``advantage.estimator: turn_gae``, which also sets the value loss's ``value_mask`` and
+    ``value_weights``); returns their metrics."""
     assert batch.gae is not None, "build_batch sets batch.gae for a critic algorithm"
     if spec.advantage.estimator == "turn_gae":
         batch.adv, batch.returns, batch.value_mask, stats = turn_critic_targets(
@@ -453,8 +454,6 @@ class BatchLoss:
             assert batch.prox is not None
             prox = rows(batch.prox)
         else:
-            from areal_agents.trainer.loss import approx_proximal_logp
-
             prox = approx_proximal_logp(behav, logp, rows(batch.versions), version + 1, version)
         tokens: dict[str, torch.Tensor] | None = {} if self.record else None
         loss, stats = spec.loss.policy_loss(

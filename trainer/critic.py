@@ -26,20 +26,20 @@ Choices made:
   the values the advantages came from.
 * Turn-level GAE (``advantage.estimator: turn_gae``, ``turn_critic_targets``): the value of
   a turn is the critic's value at its first sampled token (the state of its prompt), GAE
-  runs over turns (``areal_agents.trainer.advantage.turn_gae``: gamma and lambda once per turn), every
-  token of a turn gets its advantage, and the value loss trains the boundaries only, each
-  with its turn's summed loss weight.
-* The value loss (``areal_agents.trainer.loss.value_loss``) uses the policy loss's per-token weights, so
-  each episode weighs the same in both losses.
+  runs over turns (``areal_agents.trainer.advantage.turn_gae``: gamma and lambda once per
+  turn), every token of a turn gets its advantage, and the value loss trains the boundaries
+  only, each with its turn's summed loss weight.
+* The value loss (``areal_agents.trainer.loss.value_loss``) uses the policy loss's
+  per-token weights, so each episode weighs the same in both losses.
 * The critic's rate ``critic.lr`` follows the policy's schedule (``optim.schedule``, its
   warmup and decay; :mod:`areal_agents.trainer.schedule`) with ``critic.lr`` as its peak.
 * ``save`` / ``load`` keep the trained tensors (the whole model, or the adapters and the
   head) and the optimizer state (``dcp/``, ``torch.distributed.checkpoint``: any number of
   ranks reads it) and the schedule's position; a checkpoint of the wrong shape is refused
   by name.
-* ``sharded``: one FSDP2 rank of several, as the policy (:mod:`areal_agents.trainer.fsdp`): the backbone's
-  layers and the root are sharded, gradients summed over ranks, and ranks with fewer
-  micro-batches run dummies.
+* ``sharded``: one FSDP2 rank of several, as the policy (:mod:`areal_agents.trainer.fsdp`):
+  the backbone's layers and the root are sharded, gradients summed over ranks, and ranks
+  with fewer micro-batches run dummies.
 
 Left out: a value head sharing the policy's backbone, value-model warm-up before PPO,
 several critic epochs per batch.
@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors.torch import load_file
 
 from areal_agents import spans
 from areal_agents.errors import ConfigError
@@ -112,7 +113,7 @@ class Critic:
         """``schedule``: the policy's learning-rate schedule shape (warmup, decay) with peak
         ``lr``, advanced by :meth:`step_schedule` once per training step. ``sharded`` and
         ``cpu_offload`` as for ``Policy``."""
-        from transformers import AutoModel
+        from transformers import AutoModel  # noqa: PLC0415  transformers loads only when a model is built
 
         self.device = torch.device(default_device(device))
         self.sharded = sharded
@@ -122,7 +123,7 @@ class Critic:
         backbone = AutoModel.from_pretrained(model_path, dtype=load_dtype)
         hidden = int(backbone.config.hidden_size)
         if lora:
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig, get_peft_model  # noqa: PLC0415  peft loads only with LoRA enabled
 
             config = LoraConfig(task_type="FEATURE_EXTRACTION", **lora)
             backbone = get_peft_model(backbone, config)
@@ -268,8 +269,6 @@ class Critic:
 
     def _load_tensors(self, d: Path) -> None:
         """A checkpoint of the older format: ``weights.safetensors`` and ``optimizer.pt``."""
-        from safetensors.torch import load_file
-
         tensors = load_file(str(d / "weights.safetensors"))
         if set(tensors) != set(self.params):
             missing = sorted(set(self.params) - set(tensors))

@@ -4,10 +4,11 @@ How a run is laid out:
 
 * :func:`launch` (:func:`run_ranks`) starts the ranks the way ``torchrun`` does, through
   ``torch.distributed``'s elastic agent (``elastic_launch``: c10d rendezvous on this
-  machine, no restarts), each rank ``python -m areal_agents.trainer.distributed CONFIG``. It waits for
-  them and turns a failed rank into :class:`RankFailed`, naming the rank and its error.
-* Rank 0 runs the whole :class:`~areal_agents.trainer.loop.Trainer`: the engine, the proxy, the group
-  source, the metrics and the checkpoints' run state. Its policy and critic are
+  machine, no restarts), each rank ``python -m areal_agents.trainer.rank CONFIG``
+  (:mod:`areal_agents.trainer.rank`). It waits for them and turns a failed rank into
+  :class:`RankFailed`, naming the rank and its error.
+* Rank 0 runs the whole :class:`~areal_agents.trainer.loop.Trainer`: the engine, the proxy,
+  the group source, the metrics and the checkpoints' run state. Its policy and critic are
   :class:`DistributedPolicy` / :class:`DistributedCritic`: the same methods as
   ``Policy`` / ``Critic``, each sent to every rank as a command with that rank's part of
   the data (:class:`Ranks`). The other ranks only :func:`serve` commands: they never touch
@@ -15,11 +16,11 @@ How a run is laid out:
 * A training step's sequences are split by whole groups (:func:`group_parts`): contiguous
   runs of groups with about equal tokens per rank. The loss weights and advantages were
   computed over the whole batch before the split (``BatchLoss.select``), and gradients are
-  summed over ranks (:mod:`areal_agents.trainer.fsdp`), so the step is the one a single process takes.
-  Forward-only passes (proximal and reference logprobs, values) are split into contiguous
-  runs of sequences of about equal tokens. A policy step whose loss records its tokens
-  (``BatchLoss(record=True)``) returns each rank's records with its result, and rank 0 puts
-  them back under the whole batch's sample indices.
+  summed over ranks (:mod:`areal_agents.trainer.fsdp`), so the step is the one a single
+  process takes. Forward-only passes (proximal and reference logprobs, values) are split
+  into contiguous runs of sequences of about equal tokens. A policy step whose loss records
+  its tokens (``BatchLoss(record=True)``) returns each rank's records with its result, and
+  rank 0 puts them back under the whole batch's sample indices.
 * Failures end the run in bounded time: a rank that raises exits, the agent stops the
   others; a rank blocked in a collective gives up after ``train.collective_timeout_s``;
   every rank dies with its launcher (``PR_SET_PDEATHSIG``), so none outlives a
@@ -40,8 +41,7 @@ pipeline parallelism.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
+import ctypes
 import json
 import logging
 import os
@@ -54,9 +54,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from areal_agents.errors import ArealError
+from areal_agents.engines.launch import free_port
+from areal_agents.errors import ArealError, ConfigError
+from areal_agents.hardware import default_device
 from areal_agents.trainer import fsdp
+from areal_agents.trainer.config_io import dump_yaml
 from areal_agents.trainer.critic import Critic
 from areal_agents.trainer.policy import Policy, Temperature
 
@@ -208,9 +213,7 @@ class _RankActor:
 
     def address(self) -> tuple[str, int]:
         """Where the ranks meet: this actor's node and a free port on it (rank 0 only)."""
-        import ray
-
-        from areal_agents.engines.launch import free_port
+        import ray  # noqa: PLC0415  ray is an optional extra (scheduler: ray)
 
         return ray.util.get_node_ip_address(), free_port()
 
@@ -249,9 +252,9 @@ class RayRanks:
     their own (gloo), so that the engine and rollout workers keep theirs."""
 
     def __init__(self, nproc: int, seed: int, timeout_s: float) -> None:
-        import ray
+        import ray  # noqa: PLC0415  ray is an optional extra (scheduler: ray)
 
-        from areal_agents.rollout.cluster import check_room, connect
+        from areal_agents.rollout.cluster import check_room, connect  # noqa: PLC0415  it imports ray, an optional extra
 
         connect()
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= nproc else 0.0
@@ -272,7 +275,7 @@ class RayRanks:
         per_rank: bool = False,
         gather: bool = False,
     ) -> Any:
-        import ray
+        import ray  # noqa: PLC0415  ray is an optional extra (scheduler: ray)
 
         each: list[Any] = list(args) if per_rank else [args] * self.size
         refs = [a.run.remote(target, method, each[r]) for r, a in enumerate(self.actors)]
@@ -280,14 +283,14 @@ class RayRanks:
         return results if gather else results[0]
 
     def build(self, target: str, kind: str, kwargs: dict[str, Any], lock: Any = None) -> Any:
-        import ray
+        import ray  # noqa: PLC0415  ray is an optional extra (scheduler: ray)
 
         ray.get([a.build.remote(target, kind, kwargs) for a in self.actors])
         return _RemoteAttributes(self, target)
 
     def stop(self) -> None:
         """End the actors' process group and the actors."""
-        import ray
+        import ray  # noqa: PLC0415  ray is an optional extra (scheduler: ray)
 
         try:
             ray.get([a.leave.remote() for a in self.actors], timeout=60)
@@ -304,7 +307,7 @@ class _RemoteAttributes:
         self._ranks, self._target = ranks, target
 
     def __getattr__(self, name: str) -> Any:
-        import ray
+        import ray  # noqa: PLC0415  ray is an optional extra (scheduler: ray)
 
         return ray.get(self._ranks.actors[0].attribute.remote(self._target, name))
 
@@ -483,8 +486,6 @@ class DistributedCritic(_Sharded):
 # ---------------------------------------------------------------------------- processes
 def _die_with_parent() -> None:
     """Be killed (SIGKILL) when the launcher dies, even by ``kill -9``."""
-    import ctypes
-
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -495,56 +496,9 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def rank_main(argv: Sequence[str] | None = None) -> int:
-    """One trainer rank (started by :func:`launch`)."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    return int(record(_rank_main)(argv) or 0)
-
-
-def _rank_main(argv: Sequence[str] | None) -> int:
-    from areal_agents.trainer.config import load_config
-    from areal_agents.trainer.loop import Trainer
-
-    p = argparse.ArgumentParser(prog="python -m areal_agents.trainer.distributed")
-    p.add_argument("config")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--summary", required=True)
-    args = p.parse_args(argv)
-    _die_with_parent()
-    cfg = load_config(args.config)
-    fsdp.init_process_group(cfg.train.collective_timeout_s)
-    try:
-        if fsdp.rank() != 0:
-            _quiet_libraries()
-            serve(cfg.train.seed)
-            return 0
-        ranks = Ranks(cfg.train.seed)
-        trainer = Trainer(cfg, resume=args.resume, quiet=args.quiet, ranks=ranks)
-        summary = asyncio.run(trainer.run())
-        ranks.stop()
-        Path(args.summary).write_text(json.dumps(summary))
-        return 0
-    finally:
-        fsdp.destroy_process_group()
-
-
-def _quiet_libraries() -> None:
-    """Ranks other than 0 print nothing routine (rank 0 shows the progress)."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-
-
 def launch(cfg: Any, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run ``cfg`` on ``cfg.train.nproc`` ranks of this machine (blocking); returns rank 0's
     last-step metrics. A failed rank raises :class:`RankFailed`."""
-    from areal_agents.errors import ConfigError
-    from areal_agents.hardware import default_device
-    from areal_agents.trainer.config import dump_yaml
-
     if cfg.train.cpu_offload and not default_device(cfg.model.device).startswith("cuda"):
         raise ConfigError(
             "train.cpu_offload: FSDP2 offloads shards from a GPU to host memory; this run "
@@ -553,7 +507,7 @@ def launch(cfg: Any, *, resume: bool = False, quiet: bool = False) -> dict[str, 
     with tempfile.TemporaryDirectory(prefix="areal-ranks-") as tmp:
         config, summary = Path(tmp) / "config.yaml", Path(tmp) / "summary.json"
         dump_yaml(cfg, config)
-        args = ["-m", "areal_agents.trainer.distributed", str(config), "--summary", str(summary)]
+        args = ["-m", "areal_agents.trainer.rank", str(config), "--summary", str(summary)]
         run_ranks(cfg.train.nproc, args + ["--resume"] * resume + ["--quiet"] * quiet)
         return json.loads(summary.read_text())  # type: ignore[no-any-return]
 
@@ -563,9 +517,6 @@ def run_ranks(nproc: int, args: Sequence[str], *, monitor_interval_s: float = 0.
     ``torch.distributed``'s elastic agent as ``torchrun --standalone`` would (c10d
     rendezvous on loopback, no restarts). Returns when all exited 0; otherwise every rank
     is stopped and :class:`RankFailed` names the first that failed."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     launch_cfg = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -626,7 +577,3 @@ def _failure_message(exc: Any) -> str:
         how = f"exited with code {failure.exitcode}"
     detail = text.splitlines()[-1] if text and not text.startswith("To enable") else ""
     return f"trainer rank {rank} {how}" + (f": {detail}" if detail else " (see its output above)")
-
-
-if __name__ == "__main__":
-    sys.exit(rank_main())

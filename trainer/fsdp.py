@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import random
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -40,6 +41,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 _CPU_GROUP: Any = None
 """A gloo group over all ranks for Python objects and small counters (commands, stats):
@@ -109,14 +125,6 @@ def shard(
     """``fully_shard`` each decoder layer, then the root, in place (see the module
     docstring); ``compute_dtype``: the dtype parameters are gathered in for compute
     (None: their own), with float32 gradient reduction."""
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        FSDPModule,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
-
     mp = (
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         if compute_dtype is not None
@@ -214,8 +222,6 @@ class CheckpointMismatch(ValueError):
 
 
 def _options(trainable_only: bool) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
@@ -230,12 +236,6 @@ def save_state(
     and the optimizer state as a DCP checkpoint in ``directory`` (every rank writes its
     shards). An optimizer that has not stepped yet is left out rather than initialised
     (initialising it would count a step in AdamW's bias correction)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
     opts = _options(trainable_only)
     state: dict[str, Any] = {"model": get_model_state_dict(model, options=opts)}
     if optimizer.state:
@@ -254,14 +254,6 @@ def load_state(
     """Load :func:`save_state`'s checkpoint into ``model`` and ``optimizer``, whatever the
     number of ranks that wrote it. A checkpoint without optimizer state leaves the
     optimizer fresh."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     opts = _options(trainable_only)
     with _single_process_quiet():
         saved = set(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
@@ -294,8 +286,6 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 def rng_state() -> dict[str, Any]:
-    import random
-
     out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state()
@@ -303,8 +293,6 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():

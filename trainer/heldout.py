@@ -25,9 +25,13 @@ import functools
 import inspect
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from areal_agents.envs.registry import make
 from areal_agents.errors import ConfigError
 from areal_agents.rollout.evaluate import EvalReport, evaluate
 from areal_agents.rollout.runner import Runner
@@ -40,8 +44,6 @@ class HeldOut:
     def __init__(self, cfg: TrainConfig, out: Path) -> None:
         """Makes the held-out env once, so that a bad ``eval.env_kwargs`` fails before the
         first episode."""
-        from areal_agents.envs.registry import make
-
         self.cfg = cfg
         self.path = out / "eval.json"
         self.results: list[dict[str, Any]] = []
@@ -84,10 +86,6 @@ class HeldOut:
         as ``label`` at ``step``; return its ``eval/*`` metrics (empty when disabled).
         ``source`` is the run's group source: its proxy, server and agent are used.
         ``progress``: a progress bar on stderr."""
-        import sys
-
-        from tqdm import tqdm
-
         if self.make_env is None:
             return {}
         cfg = self.cfg

@@ -58,8 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import openai
+
 from areal_agents.errors import ConfigError
-from areal_agents.trainer.config import RewardsConfig
+from areal_agents.serve.api_error import ApiError
+from areal_agents.trainer.config_rollout import RewardsConfig
 
 SCORE_MAX = 10.0
 TRACE_ARG_CHARS = 80
@@ -323,8 +326,6 @@ class ProxyBackend:
         group: str,
         top_logprobs: int = 0,
     ) -> Reply:
-        from areal_agents.serve.proxy import ApiError
-
         sessions = self.proxy.sessions
         session = sessions.create(group_id=f"judge-{group}", metadata={"judge": True})
         request: dict[str, Any] = {
@@ -358,8 +359,6 @@ class HttpBackend:
     :class:`Judge` retries and times out)."""
 
     def __init__(self, base_url: str, model: str | None, api_key: str, timeout_s: float) -> None:
-        import openai
-
         self.base_url = base_url
         self.model = model or ""
         self.client = openai.AsyncOpenAI(
@@ -368,8 +367,6 @@ class HttpBackend:
 
     async def check(self) -> None:
         """Reach the endpoint once; without ``model``, take the first model it serves."""
-        import openai
-
         try:
             models = [m.id async for m in self.client.models.list()]
         except openai.OpenAIError as exc:
@@ -394,8 +391,6 @@ class HttpBackend:
         group: str,
         top_logprobs: int = 0,
     ) -> Reply:
-        import openai
-
         extra: dict[str, Any] = {}
         if top_logprobs:
             extra = {"logprobs": True, "top_logprobs": top_logprobs}

@@ -3,34 +3,35 @@
 Choices made:
 
 * One process, one event loop. Rollout groups (``rollout.group_size`` episodes of one task)
-  come from a group source (:mod:`areal_agents.trainer.rollout`: the model driving the env, the user's
-  agent in this process, agents in their own processes through the worker API, or any of
-  these on Ray), generated continuously through the recording proxy and the engine (its
-  own worker thread), while the trainer trains (in a worker thread). The loop itself only
-  takes the next batch, trains, syncs the weights, logs and checkpoints.
-* Staleness is bounded by AReaL's capacity rule (:mod:`areal_agents.trainer.staleness`); eta = 0 is the
-  synchronous baseline. Every output token carries its policy version; the metrics log how
-  stale each consumed token was.
+  come from a group source (:mod:`areal_agents.trainer.rollout`: the model driving the env,
+  the user's agent in this process, agents in their own processes through the worker API,
+  or any of these on Ray), generated continuously through the recording proxy and the
+  engine (its own worker thread), while the trainer trains (in a worker thread). The loop
+  itself only takes the next batch, trains, syncs the weights, logs and checkpoints.
+* Staleness is bounded by AReaL's capacity rule (:mod:`areal_agents.trainer.staleness`);
+  eta = 0 is the synchronous baseline. Every output token carries its policy version; the
+  metrics log how stale each consumed token was.
 * After each optimizer step the new weights (the LoRA adapter only, with LoRA) reach the
   engine, which interrupts generation in flight: later tokens carry the new version.
-* The loss is the decoupled PPO objective of the configured algorithm (:mod:`areal_agents.trainer.loss`,
-  :mod:`areal_agents.trainer.algorithms`): behaviour logprobs come from the engine, proximal logprobs
-  from a recompute pass (``loss.proximal=recompute``) or the log-linear approximation, and
-  the behaviour weight is always applied in async mode.
+* The loss is the decoupled PPO objective of the configured algorithm
+  (:mod:`areal_agents.trainer.loss`, :mod:`areal_agents.trainer.algorithms`): behaviour
+  logprobs come from the engine, proximal logprobs from a recompute pass
+  (``loss.proximal=recompute``) or the log-linear approximation, and the behaviour weight is
+  always applied in async mode. One step on a batch is :mod:`areal_agents.trainer.step`.
 * Advantages come from per-completion discounted returns along each episode's completion
   tree, normalized over the group's episodes by group id; by default every episode weighs
   the same, however many turns it has.
 * PPO (``spec.needs_critic``) instead takes per-token GAE advantages from a critic
-  (:mod:`areal_agents.trainer.critic`): its values before the step, rewards on each completion's last
-  token, then one critic step on the clipped value loss after the policy step. The critic
-  and its optimizer are checkpointed and resumed with the policy.
+  (:mod:`areal_agents.trainer.critic`): its values before the step, rewards on each
+  completion's last token, then one critic step on the clipped value loss after the policy
+  step. The critic and its optimizer are checkpointed and resumed with the policy.
 * Data position: group g of the run uses env seed ``seed_base + g``. A checkpoint
   (:mod:`areal_agents.trainer.checkpoint`) stores the groups consumed so far; on resume, every
   started-but-unconsumed group is generated again and nothing consumed is used twice.
 
 * ``train.nproc > 1`` (or ``train.fsdp``): the policy and critic are FSDP2 ranks
-  (:mod:`areal_agents.trainer.distributed`); this loop runs on rank 0 unchanged, its policy and critic
-  then send each call to every rank with that rank's part of the batch.
+  (:mod:`areal_agents.trainer.distributed`); this loop runs on rank 0 unchanged, its policy
+  and critic then send each call to every rank with that rank's part of the batch.
 * After each step, what the loss did with every trained completion (its advantages, current
   and proximal logprobs, behaviour weights, clip flags, return and merge decision) goes to
   the run's episode store as ``train_tokens`` rows (step = the metrics' step), written by
@@ -55,12 +56,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
 from areal_agents import spans
 from areal_agents.engines.embedded import FairLock
 from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device, pin_to_cpus, resolve_dtype
 from areal_agents.model import resolve_model
+from areal_agents.rollout.observe import observe_prompt
 from areal_agents.serve.chat import ChatTokenizer
 from areal_agents.trainer.algorithms import (
     AlgorithmSpec,
@@ -68,30 +71,25 @@ from areal_agents.trainer.algorithms import (
     check_async_correction,
     get_algorithm,
 )
-from areal_agents.trainer.batch import (
-    ADDITIVE_STATS,
-    Batch,
-    SampleTokens,
-    add_gae,
-    build_batch,
-    make_loss_fn,
-    make_value_loss_fn,
-    split_batch,
-    train_token_rows,
-)
+from areal_agents.trainer.batch import ADDITIVE_STATS, SampleTokens, build_batch
 from areal_agents.trainer.checkpoint import (
     RunState,
     append_ledger,
     restore_checkpoint,
     save_checkpoint,
 )
-from areal_agents.trainer.config import LossConfig, TrainConfig, dump_yaml
+from areal_agents.trainer.config import LossConfig, TrainConfig
+from areal_agents.trainer.config_io import dump_yaml
 from areal_agents.trainer.critic import Critic
+from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy, RayRanks, launch
 from areal_agents.trainer.heldout import HeldOut
 from areal_agents.trainer.metrics import MetricsWriter
 from areal_agents.trainer.policy import Policy
-from areal_agents.trainer.rollout import Group, build_rollout
+from areal_agents.trainer.rollout import Group
+from areal_agents.trainer.rollout_build import build_rollout
 from areal_agents.trainer.schedule import LrSchedule
+from areal_agents.trainer.sft import demo_tools, load_demos, load_episode_samples, run_sft
+from areal_agents.trainer.step import Update, apply_update, record_train_tokens, train_on_batch
 
 if TYPE_CHECKING:
     from areal_agents.rollout.runner import EpisodeResult
@@ -190,8 +188,6 @@ class Trainer:
             if critic_kw is not None:
                 critic = Critic(**critic_kw, compute_lock=lock)
             return Policy(**policy_kw, compute_lock=lock), critic
-        from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy
-
         offload = {"cpu_offload": self.cfg.train.cpu_offload}
         policy = self.ranks.build("policy", "policy", {**policy_kw, **offload}, lock)
         if critic_kw is not None:
@@ -223,8 +219,8 @@ class Trainer:
         await self.source.start(version=self.state.step)
 
     async def _evaluate(self, label: str) -> dict[str, float]:
-        """The held-out evaluation (``eval``; :mod:`areal_agents.trainer.heldout`) of the weights the
-        engine holds now, as ``label``; its ``eval/*`` metrics."""
+        """The held-out evaluation (``eval``; :mod:`areal_agents.trainer.heldout`) of the
+        weights the engine holds now, as ``label``; its ``eval/*`` metrics."""
         if not self.held_out.enabled:
             return {}
         last = self.held_out.results[-1:]
@@ -241,9 +237,6 @@ class Trainer:
         (with an in-process agent, the way that agent's prompts look: ``observe_prompt``), or
         recorded episodes' training samples as they are (``sft.kind: episodes``). Runs on a
         thread of its own (the agent probe gets an event loop of its own there)."""
-        from areal_agents.rollout.task_agent import observe_prompt
-        from areal_agents.trainer.sft import demo_tools, load_demos, load_episode_samples, run_sft
-
         cfg = self.cfg
         if cfg.sft.kind == "episodes":  # recorded token ids: no env, template or agent
             vocab = int(self.policy.model.get_input_embeddings().weight.shape[0])
@@ -350,8 +343,6 @@ class Trainer:
         return MetricsWriter(self.out, jsonl=m.jsonl, tensorboard=m.tensorboard, wandb=m.wandb)
 
     def _progress_bar(self) -> Any:
-        from tqdm import tqdm
-
         return tqdm(
             total=self.cfg.train.steps,
             initial=self.state.step,
@@ -618,113 +609,6 @@ def _tool_call_metrics(results: Sequence[EpisodeResult]) -> dict[str, float]:
     return out
 
 
-def record_train_tokens(store: Any, records: list[SampleTokens], version: int) -> Any:
-    """Queue the ``train_tokens`` rows of the step that trained policy ``version`` (step
-    ``version + 1``) in ``store``; returns the write's future (a failed write is logged,
-    the run goes on: the records are for inspection)."""
-    fut = store.put_train_tokens(train_token_rows(records, version + 1, version))
-
-    def report(done: Any) -> None:
-        if not done.cancelled() and done.exception() is not None:
-            log.warning("train_tokens of step %d not stored: %r", version + 1, done.exception())
-
-    fut.add_done_callback(report)
-    return fut
-
-
-def train_on_batch(
-    policy: Any,
-    critic: Any,
-    batch: Batch,
-    bstats: dict[str, float],
-    spec: AlgorithmSpec,
-    cfg: TrainConfig,
-    version: int,
-    records: list[SampleTokens] | None = None,
-    keep: list[Update] | None = None,
-) -> dict[str, float]:
-    """One training step on ``batch``: the proximal logprobs (``loss.proximal=recompute``),
-    the reference logprobs (a KL penalty), the critic's values and GAE (PPO), the policy's
-    updates (:func:`policy_updates`), then the critic's. Returns their summed stats;
-    ``bstats`` gets the GAE metrics and the value loss. ``records`` (a list) gets the
-    per-token record of every sample, ``keep`` (a list) the updates (see
-    :func:`policy_updates`)."""
-    temp = batch.temps  # each token at the temperature it was sampled with
-    mbt = cfg.train.micro_batch_tokens
-    if cfg.loss.proximal == "recompute":
-        batch.prox = policy.logprobs(batch.seqs, temp, mbt, batch.mask)
-    if spec.loss.kl_coef > 0:
-        batch.ref = policy.ref_logprobs(batch.seqs, temp, mbt, batch.mask)
-    if critic is not None:
-        bstats.update(add_gae(batch, critic.values(batch.seqs, mbt), spec))
-    stats = policy_updates(policy, batch, spec, cfg, version, records, keep)
-    if critic is not None:
-        vstats = critic.train_step(batch.seqs, make_value_loss_fn(batch, spec), mbt)
-        stats.update(vstats)
-        bstats["value_loss"] = vstats["value_loss"]
-        critic.step_schedule()
-    return stats
-
-
-def policy_updates(
-    policy: Any,
-    batch: Batch,
-    spec: AlgorithmSpec,
-    cfg: TrainConfig,
-    version: int,
-    records: list[SampleTokens] | None = None,
-    keep: list[Update] | None = None,
-) -> dict[str, float]:
-    """One optimizer step per mini-batch of ``batch`` (``train.minibatches``, see
-    ``split_batch``), the mini-batches in order ``train.epochs`` times (PPO's epochs: mini-batch
-    ``j`` of pass ``e`` is update ``e * minibatches + j``). Their stats add up (token-weighted
-    sums, micro-batches), except the losses and the gradient norm: the mean over the updates.
-    With ``records`` (a list), the losses record (``BatchLoss(record=True)``) and the list
-    gets every sample's record, as the first pass trained it. ``keep`` (a list) gets one
-    pass's updates in order, to run again with :func:`apply_update` (``train.fill_passes``)."""
-    parts = split_batch(batch, cfg.train.minibatches, spec, cfg.sampling.max_new_tokens)
-    # One loss per mini-batch for all passes: its records keep the first pass's values.
-    updates = [
-        Update(mb, make_loss_fn(mb, spec, cfg, version, record=records is not None)) for mb in parts
-    ]
-    totals: dict[str, float] = {}
-    for _ in range(cfg.train.epochs):
-        for update in updates:
-            for k, v in apply_update(policy, update, spec, cfg).items():
-                totals[k] = totals.get(k, 0.0) + float(v)
-    if keep is not None:
-        keep.extend(updates)
-    if records is not None:
-        for u in updates:
-            records.extend(u.loss_fn.records[i] for i in sorted(u.loss_fn.records))
-    for k in (*ADDITIVE_STATS, "grad_norm"):
-        if k in totals:
-            totals[k] /= len(parts) * cfg.train.epochs
-    policy.step_schedule()  # once per training step: every mini-batch used the same rate
-    return totals
-
-
-@dataclasses.dataclass
-class Update:
-    """One optimizer step's inputs: a mini-batch and its loss."""
-
-    batch: Batch
-    loss_fn: Any
-
-
-def apply_update(policy: Any, update: Update, spec: AlgorithmSpec, cfg: TrainConfig) -> Any:
-    """One optimizer step of ``policy`` on ``update``; returns the step's stats."""
-    mb = update.batch
-    return policy.train_step(
-        mb.seqs,
-        update.loss_fn,
-        mb.temps or cfg.sampling.temperature,
-        cfg.train.micro_batch_tokens,
-        mb.mask,
-        spec.loss.entropy_coef > 0,
-    )
-
-
 def lr_schedule(cfg: TrainConfig) -> LrSchedule:
     """``optim.schedule`` with its warmup over ``optim.total_steps`` (None = ``train.steps``)."""
     o = cfg.optim
@@ -786,15 +670,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dic
     ``areal_agents.trainer.distributed.launch`` starts, or on Ray actors (``RayRanks``) with
     ``scheduler: ray``."""
     if cfg.train.sharded and cfg.scheduler == "ray":
-        from areal_agents.trainer.distributed import RayRanks
-
         ranks = RayRanks(cfg.train.nproc, cfg.train.seed, cfg.train.collective_timeout_s)
         try:
             return asyncio.run(Trainer(cfg, resume=resume, quiet=quiet, ranks=ranks).run())
         finally:
             ranks.stop()
     if cfg.train.sharded:
-        from areal_agents.trainer.distributed import launch
-
         return launch(cfg, resume=resume, quiet=quiet)
     return asyncio.run(Trainer(cfg, resume=resume, quiet=quiet).run())

@@ -100,6 +100,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from areal_agents import model as models
+from areal_agents.trainer.config import CRITIC_ALGORITHMS
+
 __all__ = ["MemoryEstimate", "estimate_for_config", "estimate_memory"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -571,9 +574,8 @@ def estimate_for_config(cfg: Any) -> MemoryEstimate:
     ``train.nproc`` / ``sharded`` / ``cpu_offload``, a reference model when the KL weight
     (``loss.kl_coef``, else the algorithm's) is > 0 for a full fine-tune, and the critic of
     a critic algorithm (``critic.path``'s config, else the policy's)."""
-    from areal_agents.hardware import default_device, resolve_dtype
-    from areal_agents.trainer.algorithms import get_algorithm
-    from areal_agents.trainer.config import CRITIC_ALGORITHMS
+    from areal_agents.hardware import default_device, resolve_dtype  # noqa: PLC0415  it imports torch; the estimate stays light
+    from areal_agents.trainer.algorithms import get_algorithm  # noqa: PLC0415  it imports torch; the estimate stays light
 
     device = default_device(cfg.model.device)
     lora_cfg = cfg.model.lora
@@ -609,9 +611,7 @@ def load_model_config(path: str | None) -> Any:
     ``areal_agents.model.resolve_model`` takes it), reading no weights. The default model
     (None) is read from its converted directory when it exists, else from the GGUF file's
     metadata, so a dry run never converts it."""
-    from transformers import AutoConfig
-
-    from areal_agents import model as models
+    from transformers import AutoConfig  # noqa: PLC0415  transformers loads only for an estimate
 
     if path is None or path in (models.DEFAULT_MODEL, "default"):
         target = models.cache_dir() / "models" / models.DEFAULT_MODEL

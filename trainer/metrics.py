@@ -28,14 +28,14 @@ class MetricsWriter:
         self._wandb: Any = None
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  tensorboard loads only when enabled
 
                 self._tb = SummaryWriter(str(self.dir / "tensorboard"))
             except ImportError:
                 print("metrics: tensorboard is not installed; writing JSONL only", file=sys.stderr)
         if wandb:
             try:
-                import wandb as wb
+                import wandb as wb  # noqa: PLC0415  wandb is an optional extra (metrics)
 
                 self._wandb = wb.init(
                     project="areal-agents", config=config or {}, dir=str(self.dir)

@@ -21,11 +21,12 @@ Choices made here:
   float32 over the full vocabulary (T = 1 for greedy), computed as
   ``logits[t] / T - logsumexp(logits / T)`` without materialising the full log-softmax.
 * LoRA through peft; weight sync then ships only the adapter tensors.
-* ``sharded``: the model is one FSDP2 data-parallel rank of several (:mod:`areal_agents.trainer.fsdp`):
-  each rank trains its own part of the batch, gradients are summed over ranks, and a rank
-  with fewer micro-batches runs zero-loss dummies so that every rank enters every
-  collective. The weights, checkpoints and the exported model are the same as one
-  process's. :mod:`areal_agents.trainer.distributed` sends each rank its part.
+* ``sharded``: the model is one FSDP2 data-parallel rank of several
+  (:mod:`areal_agents.trainer.fsdp`): each rank trains its own part of the batch, gradients
+  are summed over ranks, and a rank with fewer micro-batches runs zero-loss dummies so that
+  every rank enters every collective. The weights, checkpoints and the exported model are
+  the same as one process's. :mod:`areal_agents.trainer.distributed` sends each rank its
+  part.
 * Checkpoints hold the trained tensors and the optimizer state in
   ``torch.distributed.checkpoint`` form (``dcp/``, loadable by any number of ranks), plus
   the model or adapter as a transformers / peft directory (``model/``) for ``eval`` and
@@ -36,17 +37,22 @@ Left out: tensor/pipeline parallelism, sequence parallelism.
 
 from __future__ import annotations
 
+import copy
 import math
+import shutil
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from areal_agents import spans
 from areal_agents.engines.protocol import WeightUpdate
+from areal_agents.engines.weights import apply_weight_update
 from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device
 from areal_agents.trainer import fsdp
@@ -264,8 +270,6 @@ def token_logprobs(
 def step_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     """``scheduler.step()``, without torch's warning for a step whose optimizer update was
     skipped (the schedule counts training steps, updates or not)."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
@@ -322,14 +326,15 @@ class Policy:
     ) -> None:
         """``sharded``: this process is one FSDP2 rank (the process group is initialised;
         see the module docstring), with ``cpu_offload`` of its shards to host memory.
-        ``schedule``: the learning-rate schedule with peak ``lr`` (:mod:`areal_agents.trainer.schedule`;
-        None = constant), advanced by :meth:`step_schedule` once per training step.
+        ``schedule``: the learning-rate schedule with peak ``lr``
+        (:mod:`areal_agents.trainer.schedule`; None = constant), advanced by
+        :meth:`step_schedule` once per training step.
         ``reference``: keep the starting weights as the reference policy of a KL penalty
         (:meth:`ref_logprobs`). With LoRA that costs nothing (the base without the adapter
         is the reference); a full fine-tune keeps a frozen copy of the model.
         ``share_prefixes``: compute shared prefixes once (the tree layout of
         :func:`make_tree_packed`); ignored with flash-attention kernels."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415  transformers loads only when a model is built
 
         self.device = torch.device(default_device(device))
         self.model_path = model_path
@@ -341,7 +346,7 @@ class Policy:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype)
         self.is_lora = bool(lora)
         if lora:
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig, get_peft_model  # noqa: PLC0415  peft loads only with LoRA enabled
 
             self.lora_config = LoraConfig(task_type="CAUSAL_LM", **lora)
             model = get_peft_model(model, self.lora_config)  # type: ignore[assignment]
@@ -359,8 +364,6 @@ class Policy:
                     ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype)
                 self._reference = self._placed(ref.eval().requires_grad_(False), False)
             else:
-                import copy
-
                 self._reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -598,7 +601,7 @@ class Policy:
         without the adapter name) or the whole model. Sharded: gathered in buckets, whole
         on rank 0 only ({} on the others)."""
         if self.is_lora:
-            from peft import get_peft_model_state_dict
+            from peft import get_peft_model_state_dict  # noqa: PLC0415  peft loads only with LoRA enabled
 
             state = get_peft_model_state_dict(self.model)
         else:
@@ -640,8 +643,6 @@ class Policy:
         ``adapter_config.json``)."""
         if fsdp.rank() != 0:
             return
-        from safetensors.torch import save_file
-
         directory.mkdir(parents=True, exist_ok=True)
         save_file(
             {k: v.contiguous() for k, v in state.items()}, directory / "adapter_model.safetensors"
@@ -657,12 +658,12 @@ class Policy:
         state = self._trained_state()
         if fsdp.rank() != 0:
             return None
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415  transformers loads only when a model is built
 
         with torch.random.fork_rng(devices=[]):  # the run's random stream stays as it is
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.mask_dtype)
             if self.is_lora:
-                from peft import get_peft_model, set_peft_model_state_dict
+                from peft import get_peft_model, set_peft_model_state_dict  # noqa: PLC0415  peft loads only with LoRA enabled
 
                 model = get_peft_model(model, self.lora_config)  # type: ignore[assignment]
                 set_peft_model_state_dict(model, state)
@@ -688,8 +689,6 @@ class Policy:
                 "can be resumed with any train.nproc)"
             )
         else:
-            from areal_agents.engines.weights import apply_weight_update
-
             path = str(d / "model")
             update = (
                 WeightUpdate(kind="lora", path=path) if self.is_lora else WeightUpdate(path=path)
@@ -703,9 +702,6 @@ class Policy:
     ) -> Path:
         """A HF directory that ``areal-agent serve --model`` loads (sharded: written by
         rank 0)."""
-        import copy
-        import shutil
-
         d = Path(directory)
         model = self._host_copy()
         if model is None:  # another rank: it took part in the gather

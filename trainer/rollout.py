@@ -27,35 +27,28 @@ The sources differ only in how the episodes of one group are produced and what t
     ExternalSource  agents in other processes pull tasks from the worker API
     RaySource       the runner's episodes on Ray actors (env- or agent-driven)
     SessionSource   no env: a service opens sessions in groups and rewards them itself
+                    (:mod:`areal_agents.trainer.session_source`)
 
-:func:`build_rollout` picks and builds one from the config, with its engine.
+:func:`areal_agents.trainer.rollout_build.build_rollout` picks and builds one from the
+config, with its engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
-import json
-import math
-import os
-import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from areal_agents import spans
-from areal_agents.errors import ConfigError, SessionError
 from areal_agents.rollout.runner import EpisodeResult, Runner
 from areal_agents.trainer.advantage import filter_uniform_groups
 from areal_agents.trainer.checkpoint import RunState
 from areal_agents.trainer.config import GROUP_ALGORITHMS, TrainConfig
-from areal_agents.trainer.judge import make_judge
 from areal_agents.trainer.staleness import StalenessGate
 
 EnvFactory = Callable[[], Any]
@@ -119,8 +112,8 @@ class GroupSource:
         self.store: Any = None
         """The run's episode store (``RUN_DIR/episodes.db``), closed with the source."""
         self.judge: Any = None
-        """The run's :class:`areal_agents.trainer.judge.Judge` (``rewards.judge``): scores each finished
-        group before it is counted and checked."""
+        """The run's :class:`areal_agents.trainer.judge.Judge` (``rewards.judge``): scores each
+        finished group before it is counted and checked."""
 
     make_env: EnvFactory | None = None
     """The env the source's episodes run in (None: the episodes bring their own rewards)."""
@@ -412,399 +405,6 @@ class RaySource(EnvSource):
         await self.runner.close()
 
 
-@dataclass
-class _OpenGroup:
-    """A group of a self-rewarded run, from its first session to its last end."""
-
-    number: int
-    name: str
-    sessions: dict[str, Any] = field(default_factory=dict)
-    """Session id -> Session, as opened."""
-    results: dict[str, EpisodeResult] = field(default_factory=dict)
-    """Session id -> its episode, as ended."""
-    opened_at: float = field(default_factory=time.monotonic)
-    expiry: asyncio.TimerHandle | None = None
-    settling: bool = False
-
-
-class SessionSource(GroupSource):
-    """Self-rewarded training (``rollout.agents: self_rewarded``): traffic without an env.
-
-    A service (an online agent deployment, say) opens a proxy session per episode with
-    ``POST /sessions {group, task_id?, metadata?}`` and the worker token, gives the session's
-    key to its agent, posts the episode's rewards to ``/sessions/{id}/rewards`` and ends it
-    with ``/sessions/{id}/end`` (both with the worker token: the agent's key may only call the
-    model). The ``rollout.group_size`` sessions of one ``group`` are one training group (the
-    same request answered G times); the group is trained on when all G have ended.
-
-    * The gate: the first session of a new group takes a gate slot, or is answered 429 with
-      ``Retry-After`` while there is none (so the service never runs ahead of
-      ``max_head_offpolicyness``); more sessions than G in one group are a 409, and so is a
-      group name used again after its group finished.
-    * Lost sessions: ``rollout.episode_timeout_s`` after a group's first session opened, its
-      sessions still open end as ``agent_lost`` and its sessions never opened count as
-      ``group_incomplete``; the group is trained on the rest when enough are left.
-    * Sampling: the agent's calls sample as they ask; what they leave unset comes from
-      ``sampling`` (``by_kind`` matched against the session's ``metadata.kind``).
-    * Checks as for every source: failed ends (any ``reason`` other than terminated or
-      truncated) are dropped and counted by reason; dynamic sampling drops uniform groups.
-    * A restart (``--resume``) cannot redo a group: its sessions lived in the stopped
-      process. The groups in flight then are skipped (``dropped/lost_at_restart``), and their
-      session keys are unknown to the new proxy.
-    """
-
-    def __init__(
-        self,
-        settings: SourceSettings,
-        state: RunState,
-        proxy: Any,
-        server: Any,
-        *,
-        episode_timeout_s: float | None,
-        sampling: dict[str, Any] | None = None,
-        sampling_by_kind: dict[str, dict[str, Any]] | None = None,
-        retry_after_s: float = 1.0,
-    ) -> None:
-        super().__init__(settings, state)
-        self.proxy = proxy
-        self.sampling = dict(sampling or {})
-        self.sampling_by_kind = dict(sampling_by_kind or {})
-        self.server = server
-        self.episode_timeout_s = episode_timeout_s
-        self.retry_after_s = retry_after_s
-        self._open: dict[str, _OpenGroup] = {}
-        self._finished: dict[str, None] = {}  # names of finished groups (insertion-ordered)
-        self._closed = False
-        proxy.session_hooks = self
-
-    async def start(self, version: int) -> None:
-        await self.server.start()
-        await super().start(version)
-
-    async def close(self) -> None:
-        self._closed = True
-        for group in self._open.values():
-            if group.expiry is not None:
-                group.expiry.cancel()
-        await super().close()
-        await self.server.stop()
-
-    async def _produce(self) -> None:
-        for g in self._redo:  # their sessions were in the stopped process's memory
-            self.state.skipped_groups.append(g)
-            self.dropped["lost_at_restart"] += 1
-        self._redo.clear()
-        await asyncio.Event().wait()  # the groups come from the proxy's session hooks
-
-    # ------------------------------------------------------------------ session hooks
-    def admit(self, body: Any) -> None:
-        from areal_agents.serve.proxy import ApiError
-
-        name = body.group_id
-        if self._closed or self.gate is None:
-            raise ApiError(503, "the trainer is not taking sessions now", kind="server_error")
-        if not name:
-            raise ApiError(
-                400,
-                f"this run trains on groups of {self.settings.group_size} sessions: send "
-                "'group', the same name for the sessions that answer one request",
-                param="group",
-            )
-        group = self._open.get(name)
-        if group is not None:
-            if len(group.sessions) >= self.settings.group_size or group.settling:
-                raise ApiError(
-                    409,
-                    f"group {name!r} already has its {self.settings.group_size} sessions; "
-                    "open the next request's sessions under a new group",
-                    kind="conflict_error",
-                    param="group",
-                )
-            return
-        if name in self._finished:
-            raise ApiError(
-                409,
-                f"group {name!r} has finished; a group name is used once",
-                kind="conflict_error",
-                param="group",
-            )
-        if not self.gate.try_acquire():
-            raise ApiError(
-                429,
-                "the trainer's staleness gate has no room for a new group; open it after "
-                "Retry-After seconds (a session of a group already open is admitted)",
-                kind="rate_limit_error",
-                code="no_room",
-                headers={"Retry-After": str(math.ceil(self.retry_after_s))},
-            )
-        number = self.state.next_group
-        self.state.next_group += 1
-        group = self._open[name] = _OpenGroup(number, name)
-        if self.episode_timeout_s is not None:
-            loop = asyncio.get_running_loop()
-            group.expiry = loop.call_later(self.episode_timeout_s, self._expire, group)
-
-    def opened(self, session: Any) -> None:
-        self._open[session.episode.group_id].sessions[session.id] = session
-        kind = str(session.episode.metadata.get("kind"))
-        session.sampling = {**self.sampling, **self.sampling_by_kind.get(kind, {})}
-
-    def ended(self, session: Any) -> None:
-        group = self._open.get(session.episode.group_id or "")
-        if group is None or session.id not in group.sessions or session.id in group.results:
-            return
-        ep = session.episode
-        error = ep.errors[-1].get("message") if ep.errors else None
-        group.results[session.id] = EpisodeResult(
-            episode=ep,
-            reward=sum(c.reward for c in ep.completions) + (ep.final_reward or 0.0),
-            success=None,
-            turns=len(ep.completions),
-            end_reason=ep.end_reason or "terminated",
-            error=None if error is None else str(error),
-            info={"task": {"task_id": ep.task_id, **ep.metadata}},
-            duration_s=time.monotonic() - group.opened_at,
-        )
-        if len(group.results) == self.settings.group_size:
-            self._settle_soon(group)
-
-    def _expire(self, group: _OpenGroup) -> None:
-        if group.settling:
-            return
-        for sid, session in group.sessions.items():
-            if sid not in group.results:
-                self.proxy.sessions.end(session, reason="agent_lost")
-                self.ended(session)
-        missing = self.settings.group_size - len(group.sessions)
-        if missing and not group.settling:
-            self.dropped["group_incomplete"] += missing
-        self._settle_soon(group)
-
-    def _settle_soon(self, group: _OpenGroup) -> None:
-        if group.settling:
-            return
-        group.settling = True
-        if group.expiry is not None:
-            group.expiry.cancel()
-        del self._open[group.name]
-        self._finished[group.name] = None
-        while len(self._finished) > 100_000:
-            del self._finished[next(iter(self._finished))]
-        for sid in group.sessions:  # the episodes are the trainer's now
-            with contextlib.suppress(SessionError):
-                self.proxy.sessions.release(sid)
-        self._spawn(self._settle(group.number, list(group.results.values()), probed_out=False))
-
-
-# ---------------------------------------------------------------------------- building
-@dataclass
-class Rollout:
-    """What :func:`build_rollout` returns: the engine the policy's weights go to, and the
-    source of groups."""
-
-    engine: Any
-    source: GroupSource
-
-
-def build_rollout(
-    cfg: TrainConfig,
-    *,
-    model_path: str,
-    tokenizer: Any,
-    compute_lock: Any,
-    state: RunState,
-    out: Path,
-    dynamic_sampling: bool,
-    quiet: bool = False,
-) -> Rollout:
-    """The engine and the group source that ``cfg`` asks for. Loads the agent factory and
-    makes one env and resets it with the first group's seed first (``areal_agents.envs.registry.probe``),
-    so that a bad factory or env config fails here, with its message, before any episode."""
-    from areal_agents.envs.registry import make, probe
-
-    settings = SourceSettings.from_config(cfg, dynamic_sampling)
-    env_id, kwargs = cfg.env.id, dict(cfg.env.kwargs)
-
-    def make_env() -> Any:
-        assert env_id is not None
-        return make(env_id, **kwargs)
-
-    if env_id is not None:  # None: a self-rewarded run (checked by the config)
-        what = f"env {env_id} (env.kwargs)"
-        try:
-            first = make_env()
-        except TypeError as exc:
-            raise ConfigError(f"{what}: the env does not take them: {exc}") from None
-        if "split" in inspect.signature(type(first.unwrapped).__init__).parameters:
-            kwargs.setdefault("split", cfg.env.split)
-        first.close()
-        probe(make_env, seed=settings.seed_base, what=what)
-
-    agent = None
-    if cfg.agent.factory is not None:
-        from areal_agents.rollout.task_agent import load_agent
-
-        agent = load_agent(cfg.agent.factory, cfg.agent.kwargs, max_turns=cfg.rollout.max_turns)
-    runner_kwargs: dict[str, Any] = {
-        "concurrency": cfg.rollout.concurrency,
-        "max_turns": cfg.rollout.max_turns,
-        "episode_timeout_s": cfg.rollout.episode_timeout_s or 1e9,
-        "sampling": _sampling(cfg),
-        "sampling_by_kind": {k: dict(v) for k, v in cfg.sampling.by_kind.items()},
-    }
-    if cfg.scheduler == "ray":
-        engine, runner = _ray_rollout(cfg, model_path, runner_kwargs)
-        ray_source = RaySource(settings, state, runner, make_env, agent)
-        ray_source.judge = make_judge(cfg.rewards, None, out)  # over rewards.judge.base_url
-        return Rollout(engine, ray_source)
-
-    from areal_agents.engines.embedded import EmbeddedEngine
-    from areal_agents.hardware import default_device, resolve_dtype
-    from areal_agents.serve.context import policy_of
-    from areal_agents.serve.proxy import Proxy
-    from areal_agents.serve.store import EpisodeStore
-
-    device = default_device(cfg.model.device)
-    engine = EmbeddedEngine.from_pretrained(
-        model_path,
-        dtype=resolve_dtype(cfg.model.dtype, device),
-        device=cfg.model.device,
-        decode=tokenizer.decode,
-        max_batch_size=max(cfg.rollout.concurrency, 1),
-        max_context=cfg.model.max_context,  # the proxy refuses longer prompts (400)
-        compute_lock=compute_lock,
-        kv_on_update=cfg.rollout.kv_on_update,
-    )
-    external = cfg.rollout.agents == "external"
-    store = EpisodeStore(out / "episodes.db")  # every episode of the run, for inspection
-    store.close_open("lost_at_restart")  # a resumed run redoes the groups it had in flight
-    proxy = Proxy(
-        engine,
-        tokenizer,
-        self_rewarding=False,  # the env (or, self-rewarded, the worker token) rewards
-        open_sessions=False,  # the trainer opens every session
-        default_max_tokens=cfg.sampling.max_new_tokens,  # for agent calls that set none
-        store=store,
-        restore=False,  # sessions of an earlier process belong to groups that are gone
-        context_policy=policy_of(cfg),  # context.*: conversations that outgrow the context
-    )
-    judge = make_judge(cfg.rewards, proxy, out)
-    if agent is None and cfg.rollout.agents == "local":
-        runner = Runner(proxy, **runner_kwargs)
-        return _stored(engine, EnvSource(settings, state, runner, make_env), store, judge)
-    from areal_agents.serve.server import LoopServer
-
-    host, port = cfg.workers.host, cfg.workers.port
-    if cfg.rollout.agents == "self_rewarded":
-        port, token = _worker_endpoint(cfg, out)
-        proxy.privileged_keys.add(token)
-        server = LoopServer(proxy, host=host, port=port)
-        if not quiet:
-            print(f"sessions on {server.url} (worker token in {out / 'workers.json'})", flush=True)
-        source = SessionSource(
-            settings,
-            state,
-            proxy,
-            server,
-            episode_timeout_s=cfg.rollout.episode_timeout_s,
-            sampling=runner_kwargs["sampling"],
-            sampling_by_kind=runner_kwargs["sampling_by_kind"],
-        )
-        return _stored(engine, source, store, judge)
-    hub = None
-    if external:
-        from areal_agents.rollout.workers import WorkerHub
-
-        port, token = _worker_endpoint(cfg, out)
-        hub = WorkerHub(
-            proxy,
-            token,
-            heartbeat_timeout_s=cfg.workers.heartbeat_timeout_s,
-            episode_timeout_s=cfg.rollout.episode_timeout_s,
-        )
-    server = LoopServer(proxy, host=host if external else "127.0.0.1", port=port)
-    runner = Runner(proxy, base_url=server.base_url, **runner_kwargs)
-    if hub is not None:
-        if not quiet:
-            print(f"worker API on {server.url} (token in {out / 'workers.json'})", flush=True)
-        external_source = ExternalSource(settings, state, runner, make_env, hub, server)
-        return _stored(engine, external_source, store, judge)
-    return _stored(
-        engine, AgentSource(settings, state, runner, make_env, agent, server), store, judge
-    )
-
-
-def _stored(engine: Any, source: GroupSource, store: Any, judge: Any) -> Rollout:
-    source.store, source.judge = store, judge
-    return Rollout(engine, source)
-
-
-def _sampling(cfg: TrainConfig) -> dict[str, Any]:
-    s = cfg.sampling
-    return {
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "max_tokens": s.max_new_tokens,
-    }
-
-
-def _worker_endpoint(cfg: TrainConfig, out: Path) -> tuple[int, str]:
-    """The worker API's port and token: the config's, else those of an earlier start of this
-    run (``workers.json``, so that ``--resume`` keeps them and connected workers go on), else
-    a free port and ``$AREAL_WORKER_TOKEN`` or a new random token. Saved with mode 0600."""
-    from areal_agents.engines.launch import free_port
-
-    path = out / "workers.json"
-    saved: dict[str, Any] = {}
-    if path.exists():
-        with contextlib.suppress(ValueError, OSError):
-            saved = json.loads(path.read_text())
-    port = cfg.workers.port or int(saved.get("port") or 0) or free_port(cfg.workers.host)
-    token = (
-        cfg.workers.token
-        or saved.get("token")
-        or os.environ.get("AREAL_WORKER_TOKEN")
-        or "wk-" + secrets.token_urlsafe(24)
-    )
-    if not isinstance(token, str) or not token:
-        raise ConfigError(f"{path}: the saved worker token is not a string; delete the file")
-    path.write_text(json.dumps({"port": port, "token": token, "host": cfg.workers.host}))
-    path.chmod(0o600)
-    return port, token
-
-
-def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any]) -> Any:
-    """``scheduler: ray``: the engine and the episodes run as Ray actors
-    (:mod:`areal_agents.rollout.cluster`, :mod:`areal_agents.rollout.ray_runner`) while the policy trains in
-    this process; new weights reach the engine actors through the object store.
-
-    Joins ``$RAY_ADDRESS`` or a cluster started with ``ray start`` on this machine, else starts
-    a local one (Ray shuts that down when the process exits). One engine actor (a GPU when the
-    cluster has one; on the cores ``rollout.engine_cpus`` names); rollout workers: one per
-    node, at least 2.
-    """
-    from areal_agents.hardware import default_device, resolve_dtype
-    from areal_agents.rollout.cluster import EmbeddedSpec, RayEngine, connect
-    from areal_agents.rollout.ray_runner import RayRunner
-
-    connect()
-    spec = EmbeddedSpec(
-        model=None if cfg.model.path is None else model_path,  # None: prepared on its node
-        dtype=resolve_dtype(cfg.model.dtype, default_device(cfg.model.device)),
-        device=cfg.model.device,
-        max_batch_size=max(cfg.rollout.concurrency, 1),
-        max_context=cfg.model.max_context,
-        cpus=cfg.rollout.engine_cpus,
-        kv_on_update=cfg.rollout.kv_on_update,
-    )
-    cores, idle = cfg.rollout.engine_cpus, cfg.rollout.idle_engine_cpus
-    # the idle-priority replica reserves no CPU: it runs on what others leave
-    extra = [] if idle is None else [(replace(spec, cpus=idle, idle_priority=True), 0.0)]
-    engine = RayEngine.start(spec, num_cpus=float(len(cores)) if cores else 1.0, extra=extra)
-    return engine, RayRunner(engine, model_path, **runner_kwargs)
-
-
 __all__ = [
     "AgentSource",
     "EnvSource",
@@ -812,8 +412,5 @@ __all__ = [
     "Group",
     "GroupSource",
     "RaySource",
-    "Rollout",
-    "SessionSource",
     "SourceSettings",
-    "build_rollout",
 ]

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from areal_agents.errors import ConfigError
 from areal_agents.serve.chat import ChatTokenizer
@@ -192,10 +194,6 @@ def run_sft(
 
     ``progress`` shows a progress bar (batches, with the running loss) on stderr.
     """
-    import sys
-
-    from tqdm import tqdm
-
     samples = [sft_sample(tokenizer, d, tools) for d in demos]
     skipped = sum(s[2] for s in samples)
     pairs = [*((ids, mask) for ids, mask, _ in samples), *tokenized]

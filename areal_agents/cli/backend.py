@@ -1,10 +1,10 @@
-"""The ``--backend`` options of ``areal-agent serve`` and ``eval``: server-backed engines.
+"""Server-backed engines for ``areal-agent serve`` and ``eval`` (``--backend vllm|sglang``).
 
 ``--backend vllm`` (or ``sglang``) either starts a server for ``--model`` with the Python of
 that server's own environment (``--engine-python``), or attaches to running servers
 (``--engine-url``, once per server; several become one engine with session-sticky
 routing). The proxy's tokenizer comes from ``--model``, or else from the model directory
-the server reports.
+the server reports. The options are defined with the parser, in :mod:`areal_agents.cli.main`.
 """
 
 from __future__ import annotations
@@ -14,55 +14,18 @@ import shlex
 import sys
 from typing import Any
 
+from areal_agents.engines.router import RoutedEngine
+from areal_agents.engines.sglang import SGLangEngine
+from areal_agents.engines.vllm import VLLMEngine
 from areal_agents.errors import ConfigError
+from areal_agents.model import resolve_model
+from areal_agents.serve.chat import ChatTokenizer
 
-BACKENDS = ("embedded", "vllm", "sglang")
-
-
-def add_backend_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("inference backend")
-    group.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="embedded",
-        help="embedded: transformers in this process (default); vllm / sglang: a server "
-        "started here or given by --engine-url",
-    )
-    group.add_argument(
-        "--engine-url",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="attach to a running vLLM / SGLang server instead of starting one (repeat for "
-        "several servers; a session's calls stay on one server)",
-    )
-    group.add_argument(
-        "--engine-python",
-        default=None,
-        help="Python of the server's environment (default: $AREAL_VLLM_PYTHON / "
-        "$AREAL_SGLANG_PYTHON, else .venv-vllm / .venv-sglang)",
-    )
-    group.add_argument("--engine-port", type=int, default=0, help="port of a started server")
-    group.add_argument(
-        "--engine-args", default="", help="extra flags for a started server, one quoted string"
-    )
-    group.add_argument("--engine-log", default=None, help="log file of a started server")
-    group.add_argument(
-        "--engine-timeout", type=float, default=900.0, help="seconds a started server may take"
-    )
-    group.add_argument(
-        "--lora-rank", type=int, default=16, help="largest LoRA rank a started server accepts"
-    )
+__all__ = ["load_server_engine"]
 
 
 def load_server_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     """(engine, ChatTokenizer) for ``--backend vllm|sglang``."""
-    from areal_agents.engines.router import RoutedEngine
-    from areal_agents.engines.sglang import SGLangEngine
-    from areal_agents.engines.vllm import VLLMEngine
-    from areal_agents.model import resolve_model
-    from areal_agents.serve.chat import ChatTokenizer
-
     if getattr(args, "ray", False) or getattr(args, "ray_address", None):
         raise ConfigError("--ray runs the embedded engine; drop --ray with --backend vllm/sglang")
     cls: Any = VLLMEngine if args.backend == "vllm" else SGLangEngine

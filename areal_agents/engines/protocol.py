@@ -15,6 +15,7 @@ trainer recomputes exactly this quantity with one forward pass and the same temp
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -136,8 +137,6 @@ class Engine(Protocol):
 
 def accepts_route_key(engine: Any) -> bool:
     """Whether ``engine.generate`` takes the ``route_key`` keyword (or ``**kwargs``)."""
-    import inspect
-
     try:
         params = inspect.signature(engine.generate).parameters.values()
     except (TypeError, ValueError):

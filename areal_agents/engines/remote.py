@@ -33,8 +33,10 @@ same engine can serve the proxy's loop and be closed from another.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -520,8 +522,6 @@ def _error_message(r: httpx.Response) -> str:
 
 
 def _vocab_size(model_dir: str | None) -> int | None:
-    import json
-
     if not model_dir:
         return None
     try:
@@ -568,8 +568,6 @@ def _cut_at_stop_string(result: GenerateResult, stops: Sequence[str], decode: De
 def in_fresh_loop(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``await fn(*args)`` to completion on a new event loop in a helper thread (usable
     whether or not the calling thread runs a loop); its HTTP client is closed after."""
-    import threading
-
     outcome: dict[str, Any] = {}
 
     async def main() -> None:

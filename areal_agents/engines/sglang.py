@@ -273,7 +273,9 @@ class SGLangEngine(RemoteEngine):
         :meth:`update_weights_distributed` (this process is its rank 0). ``master_address``
         must be reachable from the server; ``master_port`` 0 picks a free one; ``backend``
         defaults to NCCL on CUDA, else gloo."""
-        from areal_agents.engines.weight_transfer import init_group
+        import torch  # noqa: PLC0415  torch loads only for a weight group
+
+        from areal_agents.engines import weight_transfer  # noqa: PLC0415  it loads torch
 
         self._check_open()
         if self._weight_group is not None:
@@ -281,8 +283,6 @@ class SGLangEngine(RemoteEngine):
         info = await self._request("GET", "/get_server_info")
         workers = int(info.get("tp_size") or 1) * int(info.get("dp_size") or 1)
         port = master_port or free_port()
-        import torch
-
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         body = {
             "master_address": master_address,
@@ -294,7 +294,14 @@ class SGLangEngine(RemoteEngine):
         }
         joined, out = await asyncio.gather(
             asyncio.to_thread(
-                init_group, master_address, port, 0, 1 + workers, group_name, backend, timeout_s
+                weight_transfer.init_group,
+                master_address,
+                port,
+                0,
+                1 + workers,
+                group_name,
+                backend,
+                timeout_s,
             ),
             self._request("POST", "/init_weights_update_group", json=body),
         )
@@ -310,7 +317,7 @@ class SGLangEngine(RemoteEngine):
         time) and return the new version. Requests
         in flight are interrupted and resumed on the new weights, as with
         :meth:`update_weights`."""
-        from areal_agents.engines.weight_transfer import dtype_name, send
+        from areal_agents.engines import weight_transfer  # noqa: PLC0415  it loads torch
 
         self._check_open()
         if self._weight_group is None:
@@ -321,7 +328,7 @@ class SGLangEngine(RemoteEngine):
         tensors = list(state_dict.values())
         body = {
             "names": list(state_dict),
-            "dtypes": [dtype_name(t) for t in tensors],
+            "dtypes": [weight_transfer.dtype_name(t) for t in tensors],
             "shapes": [list(t.shape) for t in tensors],
             "group_name": name,
             "flush_cache": True,
@@ -330,7 +337,7 @@ class SGLangEngine(RemoteEngine):
 
         async def load() -> None:
             _, out = await asyncio.gather(
-                asyncio.to_thread(send, group, tensors, device),
+                asyncio.to_thread(weight_transfer.send, group, tensors, device),
                 self._request("POST", "/update_weights_from_distributed", json=body),
             )
             if isinstance(out, dict) and out.get("success") is False:
@@ -348,10 +355,10 @@ class SGLangEngine(RemoteEngine):
             self._updating = False
 
     async def close(self) -> None:
-        from areal_agents.engines.weight_transfer import destroy
-
         if self._weight_group is not None:
-            destroy(self._weight_group[0])
+            from areal_agents.engines import weight_transfer  # noqa: PLC0415  it loads torch
+
+            weight_transfer.destroy(self._weight_group[0])
             self._weight_group = None
         await super().close()
 

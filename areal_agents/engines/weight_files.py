@@ -1,11 +1,11 @@
 """Weights as files, for engines in another process: checking and staging checkpoints.
 
 A server (vLLM, SGLang) loads new weights from a directory, so an in-memory
-:class:`~areal_agents.engines.protocol.WeightUpdate` is first written as safetensors (a full model) or
-as a peft adapter directory (LoRA). Before a server is asked to load a directory, its tensor
-names and shapes are compared with the served checkpoint's: a server that meets unknown or
-missing tensors half-way through a reload can be left unusable, so a mismatch is refused
-here with the names that differ.
+:class:`~areal_agents.engines.protocol.WeightUpdate` is first written as safetensors (a full
+model) or as a peft adapter directory (LoRA). Before a server is asked to load a directory,
+its tensor names and shapes are compared with the served checkpoint's: a server that meets
+unknown or missing tensors half-way through a reload can be left unusable, so a mismatch is
+refused here with the names that differ.
 
 Reading safetensors headers needs no torch (8-byte length, then a JSON header); staging an
 in-memory state dict imports torch and safetensors (and peft for LoRA) on first use.
@@ -130,7 +130,7 @@ def stage_update(update: WeightUpdate, root: str | Path) -> WeightUpdate:
 
 
 def _save_safetensors(state_dict: Any, path: Path) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415  it loads torch; staging only
 
     seen: set[int] = set()
     tensors = {}

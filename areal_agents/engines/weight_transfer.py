@@ -23,6 +23,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    Backend,
+    GroupName,
+    _new_process_group_helper,
+    _world,
+    rendezvous,
+)
 
 
 def init_group(
@@ -36,14 +43,6 @@ def init_group(
 ) -> Any:
     """Join (rank 0: host) the weight group ``group_name`` of ``world_size`` ranks; blocks
     until every rank has joined or ``timeout_s`` passes."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        GroupName,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
     timeout = datetime.timedelta(seconds=timeout_s)
     url = f"tcp://{master_address}:{master_port}"
     store, _, _ = next(rendezvous(url, rank, world_size, timeout=timeout))

@@ -11,11 +11,13 @@ beside the frozen weights.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from areal_agents.engines.protocol import WeightUpdate
 from areal_agents.errors import UserError
@@ -23,8 +25,6 @@ from areal_agents.errors import UserError
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Read every ``*.safetensors`` (or ``*.bin``) file of a directory into one state dict."""
-    from safetensors.torch import load_file
-
     root = Path(path)
     files = sorted(root.glob("*.safetensors"))
     if files:
@@ -42,7 +42,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _base_model(model: Any) -> Any:
-    from peft import PeftModel
+    from peft import PeftModel  # noqa: PLC0415  peft loads on weight updates
 
     return model.get_base_model() if isinstance(model, PeftModel) else model
 
@@ -86,7 +86,7 @@ def _tied(model: Any, key: str) -> bool:
 
 def _lora_parts(update: WeightUpdate) -> tuple[Any, dict[str, torch.Tensor]]:
     """The update's LoRA config (None when it has none) and adapter tensors."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # noqa: PLC0415  peft loads on weight updates
 
     config, sd = update.lora_config, update.state_dict
     if update.path is not None:
@@ -111,7 +111,7 @@ def _need_config(config: Any) -> Any:
 def _load_adapter(model: Any, sd: dict[str, torch.Tensor], complete: bool = False) -> None:
     """Load adapter tensors into a peft model. ``complete``: the adapter was created without
     weights (``low_cpu_mem_usage``), so ``sd`` must hold every one of them."""
-    from peft import set_peft_model_state_dict
+    from peft import set_peft_model_state_dict  # noqa: PLC0415  peft loads on weight updates
 
     result = set_peft_model_state_dict(model, sd, low_cpu_mem_usage=complete)
     unexpected = getattr(result, "unexpected_keys", [])
@@ -126,7 +126,7 @@ def _load_adapter(model: Any, sd: dict[str, torch.Tensor], complete: bool = Fals
 
 
 def _apply_lora(model: Any, update: WeightUpdate) -> Any:
-    from peft import PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model  # noqa: PLC0415  peft loads on weight updates
 
     config, sd = _lora_parts(update)
     if not isinstance(model, PeftModel):
@@ -165,7 +165,7 @@ class MergedLora:
 
     @staticmethod
     def can_merge(model: Any) -> bool:
-        from peft import PeftModel
+        from peft import PeftModel  # noqa: PLC0415  peft loads on weight updates
 
         return not isinstance(model, PeftModel) and all(
             p.dtype in (torch.float32, torch.float64)
@@ -191,7 +191,7 @@ class MergedLora:
         return model
 
     def _merge(self, model: Any, config: Any, sd: dict[str, torch.Tensor]) -> Any:
-        from peft import get_peft_model
+        from peft import get_peft_model  # noqa: PLC0415  peft loads on weight updates
 
         # low_cpu_mem_usage: no random initialisation of adapter weights about to be replaced
         wrapped = get_peft_model(model, copy.deepcopy(config), low_cpu_mem_usage=True)
@@ -222,15 +222,13 @@ class MergedLora:
 
 
 def _is_lora_layer(module: Any) -> bool:
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415  peft loads on weight updates
 
     return isinstance(module, LoraLayer)
 
 
 def _lora_kwargs(raw: dict[str, Any]) -> dict[str, Any]:
-    import dataclasses
-
-    from peft import LoraConfig
+    from peft import LoraConfig  # noqa: PLC0415  peft loads on weight updates
 
     names = {f.name for f in dataclasses.fields(LoraConfig)}
     return {k: v for k, v in raw.items() if k in names}

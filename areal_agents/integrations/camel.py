@@ -99,8 +99,8 @@ def session_model(
         token_counter: A CAMEL token counter; an :class:`OfflineTokenCounter` by default.
         model_config_dict: Request options CAMEL sends with each call (``temperature``...).
     """
-    from camel.models import ModelFactory
-    from camel.types import ModelPlatformType
+    from camel.models import ModelFactory  # noqa: PLC0415  camel-ai is an optional extra
+    from camel.types import ModelPlatformType  # noqa: PLC0415  camel-ai is an optional extra
 
     return ModelFactory.create(
         model_platform=ModelPlatformType.OPENAI_COMPATIBLE_MODEL,
@@ -119,7 +119,7 @@ def as_function_tools(tools: Sequence[Tool]) -> list[FunctionTool]:
     content; bad arguments and failures come back as an ``Error: ...`` message the model
     reads, never as an exception.
     """
-    from camel.toolkits import FunctionTool
+    from camel.toolkits import FunctionTool  # noqa: PLC0415  camel-ai is an optional extra
 
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise TypeError(
@@ -146,7 +146,7 @@ def _caller(tool: Tool) -> Any:
 def _register_with_camel() -> None:
     """Make OfflineTokenCounter a virtual subclass of CAMEL's base class (idempotent)."""
     try:
-        from camel.utils import BaseTokenCounter
+        from camel.utils import BaseTokenCounter  # noqa: PLC0415  camel-ai is an optional extra
     except ImportError:
         return
     BaseTokenCounter.register(OfflineTokenCounter)

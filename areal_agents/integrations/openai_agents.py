@@ -62,11 +62,18 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import quote
+
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+try:
+    import httpx2 as httpx  # what openai >= 3 is built on
+except ImportError:
+    import httpx  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
     from agents import Agent, FunctionTool, Model, RunConfig, RunResult
     from agents.items import TResponseInputItem
-    from openai import AsyncOpenAI
 
     from areal_agents.tools.tool import Tool
 
@@ -89,7 +96,7 @@ _AGENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "areal_agents_openai_agent", default=None
 )
 """The name of the SDK agent whose model call is being made (set just before each call)."""
-AGENT_HEADER = "X-Areal-Agent"  # the proxy's areal_agents.serve.proxy.AGENT_HEADER
+AGENT_HEADER = "X-Areal-Agent"  # the proxy's areal_agents.serve.routes.AGENT_HEADER
 _install_lock = threading.Lock()
 _routing_client: AsyncOpenAI | None = None
 
@@ -107,8 +114,6 @@ def session_model(
         api: ``"responses"`` (the SDK's default model class, ``OpenAIResponsesModel``) or
             ``"chat"`` (``OpenAIChatCompletionsModel``).
     """
-    from openai import AsyncOpenAI
-
     _check_api(api)
     return _model_on(AsyncOpenAI(base_url=base_url, api_key=api_key), model, api)
 
@@ -119,7 +124,10 @@ def _check_api(api: str) -> None:
 
 
 def _model_on(client: AsyncOpenAI, model: str, api: Api) -> Model:
-    from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
+    from agents import (  # noqa: PLC0415  the SDK is an optional extra
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+    )
 
     if api == "chat":
         return OpenAIChatCompletionsModel(model=model, openai_client=client)
@@ -155,8 +163,10 @@ def install_session_routing() -> AsyncOpenAI:
     Returns the client.
     """
     global _routing_client
-    from agents import set_default_openai_client, set_tracing_disabled
-    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+    from agents import (  # noqa: PLC0415  the SDK is an optional extra
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
 
     with _install_lock:
         if _routing_client is None:
@@ -171,10 +181,6 @@ def install_session_routing() -> AsyncOpenAI:
 
 def _session_transport() -> Any:
     """An httpx transport that sends each request to the current scope's session."""
-    try:
-        import httpx2 as httpx  # what openai >= 3 is built on
-    except ImportError:
-        import httpx  # type: ignore[no-redef]
 
     class SessionTransport(httpx.AsyncBaseTransport):
         def __init__(self) -> None:
@@ -224,7 +230,7 @@ def as_function_tools(tools: Sequence[Tool]) -> list[FunctionTool]:
     it already is (every object closed, every property required): the SDK's strict mode would
     otherwise make optional arguments required.
     """
-    from agents import FunctionTool
+    from agents import FunctionTool  # noqa: PLC0415  the SDK is an optional extra
 
     out = []
     for tool in _checked(tools):
@@ -281,8 +287,7 @@ async def run_agent(
         ValueError: An extra tool has the name of one of the agent's tools, or ``api`` is
             neither ``"responses"`` nor ``"chat"``.
     """
-    from agents import RunConfig, Runner
-    from openai import AsyncOpenAI
+    from agents import RunConfig, Runner  # noqa: PLC0415  the SDK is an optional extra
 
     _check_api(api)
     extra = as_function_tools(tools or [])
@@ -292,8 +297,6 @@ async def run_agent(
         raise ValueError(
             f"agent {agent.name!r} already has tools named {clash}; rename the extra tools"
         )
-    from openai import DefaultAsyncHttpxClient
-
     # the episode's own client, closed with the run (its connections are this loop's); each
     # request names the agent whose turn it is, so multi-agent runs can train some of them
     http = DefaultAsyncHttpxClient(event_hooks={"request": [_name_agent]})
@@ -326,8 +329,6 @@ def _noting_agent(user_filter: Any) -> Any:
 
 async def _name_agent(request: Any) -> None:
     """httpx request hook: the :data:`AGENT_HEADER` of the agent whose call this is."""
-    from urllib.parse import quote
-
     name = _AGENT.get()
     if name:
         request.headers[AGENT_HEADER] = quote(name[:256], safe=" ")

@@ -19,24 +19,25 @@ Choices made:
 
 * **Episodes run where their env runs.** A rollout worker holds its own :class:`Proxy`
   (tokenizer, chat template, tool-call parsing, session recording) and its own
-  :class:`~areal_agents.rollout.runner.Runner`, and runs each episode with exactly the code a local run
-  uses; it returns the finished :class:`~areal_agents.rollout.runner.EpisodeResult` (pickled). Episodes
-  are therefore identical in shape to local ones by construction: same fields, same token-level
-  data, same end reasons. Only token ids cross the network, between a worker's proxy and an
-  engine actor. The alternative, envs calling one central proxy over HTTP, was rejected: that
-  proxy would tokenize and parse every call of the whole cluster, rewards would cost extra round
-  trips, and the driver would need an address every node can reach.
+  :class:`~areal_agents.rollout.runner.Runner`, and runs each episode with exactly the code a
+  local run uses; it returns the finished :class:`~areal_agents.rollout.runner.EpisodeResult`
+  (pickled). Episodes are therefore identical in shape to local ones by construction: same
+  fields, same token-level data, same end reasons. Only token ids cross the network, between
+  a worker's proxy and an engine actor. The alternative, envs calling one central proxy over
+  HTTP, was rejected: that proxy would tokenize and parse every call of the whole cluster,
+  rewards would cost extra round trips, and the driver would need an address every node can
+  reach.
 * **Agents** (agent-driven episodes) talk HTTP to a proxy server that their worker starts on
   loopback, the first time it runs one; the agent object, like the env factory, is shipped to
   the object store once (it must pickle with cloudpickle).
 * **Engines.** An :class:`EngineHost` actor builds its engine on its own node from a picklable
   factory (:class:`EmbeddedSpec` by default, so the model is found where it is loaded), and
-  :class:`RayEngine` implements the :class:`~areal_agents.engines.protocol.Engine` protocol by calling the
-  hosts: ``generate`` goes to the replica that served the same ``route_key`` (session) before,
-  else to the one with the fewest requests in flight from this client; ``update_weights``,
-  ``pause`` and ``resume`` go to every replica (new weights travel once, through the object
-  store). The proxy, the recording and the data contract do not change. Engine actors are
-  named, and workers find them by name.
+  :class:`RayEngine` implements the :class:`~areal_agents.engines.protocol.Engine` protocol by
+  calling the hosts: ``generate`` goes to the replica that served the same ``route_key``
+  (session) before, else to the one with the fewest requests in flight from this client;
+  ``update_weights``, ``pause`` and ``resume`` go to every replica (new weights travel once,
+  through the object store). The proxy, the recording and the data contract do not change.
+  Engine actors are named, and workers find them by name.
 * **Fault tolerance.** Workers are created with ``max_restarts`` and their calls with
   ``max_task_retries=0``, so the driver sees every loss. An episode whose worker died is run
   again from the start (same seeds; ``episode_retries`` times, on any live worker) or, past
@@ -79,6 +80,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from areal_agents import spans
 from areal_agents.engines.protocol import (
     Engine,
     GenerateResult,
@@ -87,6 +89,9 @@ from areal_agents.engines.protocol import (
     accepts_route_key,
 )
 from areal_agents.errors import ArealError, BackendError, UserError
+from areal_agents.hardware import lowest_priority, pin_to_cpus
+from areal_agents.model import resolve_model
+from areal_agents.serve.chat import ChatTokenizer
 
 INSTALL_HINT = "pip install 'areal-agents[ray]'"
 _MAX_ROUTES = 8192  # sessions remembered for sticky routing (least recently used dropped)
@@ -161,7 +166,8 @@ def attached(address: str | None = None) -> Iterator[None]:
 # ---------------------------------------------------------------------------- engines
 @dataclass(frozen=True)
 class EmbeddedSpec:
-    """How an engine host builds an :class:`~areal_agents.engines.embedded.EmbeddedEngine` on its node.
+    """How an engine host builds an :class:`~areal_agents.engines.embedded.EmbeddedEngine` on
+    its node.
 
     ``model``: a path that exists on the engine's node, a hub id, or None for the default model
     (prepared on that node on first use). ``adapter``: a saved LoRA adapter directory (on the
@@ -191,10 +197,8 @@ class EmbeddedSpec:
         return "engine_idle" if self.idle_priority else "engine"
 
     def __call__(self) -> Engine:
-        from areal_agents.engines.embedded import EmbeddedEngine
-        from areal_agents.hardware import lowest_priority, pin_to_cpus
-        from areal_agents.model import resolve_model
-        from areal_agents.serve.chat import ChatTokenizer
+        # torch loads in the engine actor that builds the engine, never in the driver
+        from areal_agents.engines.embedded import EmbeddedEngine  # noqa: PLC0415  loads torch here
 
         key = "rollout.idle_engine_cpus" if self.idle_priority else "rollout.engine_cpus"
         if self.cpus is not None:
@@ -225,8 +229,6 @@ class EngineHost:
     """The body of an engine actor: builds its engine once and serves it to the clients."""
 
     def __init__(self, factory: Callable[[], Engine]) -> None:
-        from areal_agents import spans
-
         # The engine's prefill / decode spans, kept here until the trainer takes them
         # (``take_spans``); a client that never does keeps the newest 100k.
         self._spans = spans.record_to(None, max_pending=100_000)

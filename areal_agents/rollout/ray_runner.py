@@ -1,11 +1,13 @@
 """Rollout workers: episodes run by Ray actors, with the same interface as the local Runner.
 
 :class:`RayRunner` keeps a pool of :class:`RolloutWorker` actors spread over the cluster. Each
-worker holds a :class:`~areal_agents.serve.proxy.Proxy` (over a :class:`~areal_agents.rollout.cluster.RayEngine`
-client) and a :class:`~areal_agents.rollout.runner.Runner`, and runs every episode with exactly the code
-a local run uses, next to its env and tools; the finished
-:class:`~areal_agents.rollout.runner.EpisodeResult` comes back pickled. See :mod:`areal_agents.rollout.cluster`
-for why episodes run there rather than against one central proxy.
+worker holds a :class:`~areal_agents.serve.proxy.Proxy` (over a
+:class:`~areal_agents.rollout.cluster.RayEngine` client) and a
+:class:`~areal_agents.rollout.runner.Runner`, and runs every episode with exactly the code a
+local run uses, next to its env and tools; the finished
+:class:`~areal_agents.rollout.runner.EpisodeResult` comes back pickled. See
+:mod:`areal_agents.rollout.cluster` for why episodes run there rather than against one central
+proxy.
 
 Dispatch: an episode goes to the live worker with the fewest episodes in flight from this
 runner; ``concurrency`` bounds them over the whole pool (each worker's own runner gets an equal
@@ -19,7 +21,8 @@ episode again from the start with the same seeds, on any live worker, up to
 ``"worker_lost"`` and the error, so it is counted like any other failure and never dropped.
 ``RayRunner.counters`` counts ``episodes``, ``worker_failures``, ``worker_restarts``,
 ``workers_retired``, ``episodes_rerun`` and ``episodes_lost``; a re-run episode carries
-``info["worker_retries"]``. With no worker left, :class:`~areal_agents.rollout.cluster.ClusterError`.
+``info["worker_retries"]``. With no worker left,
+:class:`~areal_agents.rollout.cluster.ClusterError`.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ from areal_agents.rollout.cluster import (
     wait_ready,
 )
 from areal_agents.rollout.runner import EnvFactory, EpisodeResult, Runner
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.proxy import Proxy
+from areal_agents.serve.server import ProxyServer
 from areal_agents.trajectory import Episode
 
 WORKER_LOST = "worker_lost"
@@ -85,8 +91,6 @@ class TokenizerFiles:
 
     def load(self) -> Any:
         """The :class:`~areal_agents.serve.chat.ChatTokenizer` these files describe."""
-        from areal_agents.serve.chat import ChatTokenizer
-
         with tempfile.TemporaryDirectory(prefix="areal-tokenizer-") as tmp:
             for name, data in self.files.items():
                 path = Path(tmp) / name
@@ -115,8 +119,6 @@ class RolloutWorker:
     async def _ready(self, tokenizer: list[Any]) -> Runner:
         async with self._setup:
             if self._runner is None:
-                from areal_agents.serve.proxy import Proxy
-
                 files: TokenizerFiles = await tokenizer[0]
                 proxy = Proxy(self._engine, files.load())
                 self._runner = Runner(proxy, **self._runner_kwargs)
@@ -142,8 +144,6 @@ class RolloutWorker:
     ) -> EpisodeResult:
         runner = await self._ready(tokenizer)
         if agent is not None and runner.base_url is None:
-            from areal_agents.serve.server import ProxyServer
-
             self._server = ProxyServer.start(runner.proxy)  # loopback, for this node's agents
             runner.base_url = self._server.base_url
         return await runner.run_episode(

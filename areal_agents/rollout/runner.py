@@ -42,8 +42,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from openai import AsyncOpenAI
+
 from areal_agents.errors import AgentError, ArealError, EpisodeTimeout, RolloutError, UserError
-from areal_agents.serve.proxy import ApiError, Proxy
+from areal_agents.serve.api_error import ApiError
+from areal_agents.serve.proxy import Proxy
 from areal_agents.serve.session import Session
 from areal_agents.trajectory import Episode
 
@@ -74,8 +77,6 @@ class AgentTask:
     """The env's task id (from its reset info), when it gives one."""
 
     def openai_client(self, **kwargs: Any) -> Any:
-        from openai import AsyncOpenAI
-
         return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
 

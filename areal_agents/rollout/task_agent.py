@@ -15,7 +15,8 @@ how each episode runs it:
 
 Used by ``agent:`` in the training config and ``--agent`` of ``areal-agent eval``. Errors in
 the spec or the factory are :class:`~areal_agents.errors.ConfigError` naming the fix, raised
-before any episode starts.
+before any episode starts. What an agent's prompts look like is found by
+:mod:`areal_agents.rollout.observe`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from areal_agents.errors import ConfigError
+from areal_agents.errors import ConfigError, check_import_name
+from areal_agents.integrations.openai_agents import run_agent
 
 
 def load_agent(
@@ -40,6 +42,8 @@ def load_agent(
         raise ConfigError(
             f"agent factory {spec!r}: expected 'pkg.module:factory' or 'path/to/file.py:factory'"
         )
+    if not module_name.endswith(".py"):
+        check_import_name(spec, "agent factory")
     try:
         factory = getattr(_import(module_name), attr)
     except (ImportError, AttributeError, OSError) as exc:
@@ -109,9 +113,8 @@ class SDKAgent:
         (a reply cut at its token limit, a call to an unknown tool, arguments that do not
         parse), ends the run there and the env scores what was said so far: for RL these
         are the model's failures, to be scored, not errors to drop from the data."""
-        from agents import MaxTurnsExceeded, ModelBehaviorError
-
-        from areal_agents.integrations.openai_agents import run_agent
+        # The SDK is an optional extra (areal-agents[agents]), present when its Agent is.
+        from agents import MaxTurnsExceeded, ModelBehaviorError  # noqa: PLC0415  an optional extra
 
         try:
             result = await run_agent(
@@ -133,49 +136,3 @@ def _is_sdk_agent(obj: Any) -> bool:
         if cls.__name__ == "Agent" and cls.__module__.split(".")[0] == "agents":
             return True
     return False
-
-
-async def observe_prompt(
-    agent: Any, make_env: Any, tokenizer: Any, *, seed: int | None = None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """What ``agent`` puts around an env's task in its first model call: the messages it
-    sends before the env's own (an Agents SDK agent's instructions, say) and the tools it
-    offers (its own and the env's, in its order, as the proxy renders them).
-
-    Found by running it once on one task against a proxy whose engine ends every reply at
-    once, so a warm start can render demonstrations exactly as the agent's prompts look.
-    Raises :class:`ConfigError` when the agent made no model call.
-    """
-    from areal_agents.rollout.runner import Runner
-    from areal_agents.serve.proxy import Proxy
-    from areal_agents.serve.server import LoopServer
-    from areal_agents.testing.fake_engine import FakeEngine
-
-    ends = list(tokenizer.eos_token_ids)[:1]
-    proxy = Proxy(FakeEngine(lambda ids, p: list(ends)), tokenizer)
-    server = LoopServer(proxy)
-    await server.start()
-    try:
-        env = make_env()
-        try:
-            task_messages, _ = env.reset(seed=seed)
-        finally:
-            env.close()
-        runner = Runner(proxy, base_url=server.base_url, max_turns=1, episode_timeout_s=120)
-        result = await runner.run_episode(make_env, seed=seed, agent=agent)
-    finally:
-        await server.stop()
-    if not result.episode.completions:
-        raise ConfigError(
-            f"the agent made no model call on a probe task ({result.end_reason}: "
-            f"{result.error}); it must call the session's model to be trained"
-        )
-    first = result.episode.completions[0]
-    sent = [dict(m) for m in first.messages]
-    head = dict(task_messages[0]) if task_messages else None
-    at = next((i for i, m in enumerate(sent) if _same_message(m, head)), len(sent))
-    return sent[:at], first.tools
-
-
-def _same_message(a: dict[str, Any], b: dict[str, Any] | None) -> bool:
-    return b is not None and (a.get("role"), a.get("content")) == (b.get("role"), b.get("content"))

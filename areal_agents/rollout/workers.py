@@ -64,7 +64,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from areal_agents.errors import AgentError, AgentLost
-from areal_agents.serve.proxy import ApiError, Proxy, _parse, error_responses, json_body
+from areal_agents.serve.api_error import ApiError
+from areal_agents.serve.bodies import parse_body as _parse
+from areal_agents.serve.openapi import error_responses, json_body
+from areal_agents.serve.proxy import Proxy
 
 if TYPE_CHECKING:
     from areal_agents.rollout.runner import AgentTask

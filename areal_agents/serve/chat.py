@@ -3,70 +3,16 @@
 The proxy applies the chat template itself and sends token ids to the engine, and it must
 not import torch, which ``import transformers`` does. :class:`ChatTokenizer` reads a Hugging
 Face tokenizer directory with the ``tokenizers`` library and renders its chat template with
-jinja2 the way ``transformers``' ``apply_chat_template`` does: the same sandboxed environment
-and options (``trim_blocks``, ``lstrip_blocks``, the ``loopcontrols`` extension and the
-``{% generation %}`` tag), the same globals (``raise_exception``, ``strftime_now``, a safe
-``namespace`` and ``dict``), the same ``tojson`` filter (no HTML escaping, ``ensure_ascii=False``
-by default, ``indent``/``separators``/``sort_keys``), the same variables (``messages``,
-``tools``, ``documents``, ``add_generation_prompt``, the named special tokens ``bos_token``,
-``eos_token``, ... and any extra keyword such as ``enable_thinking``). ``encode_chat`` returns
-the ids ``apply_chat_template(..., tokenize=True)`` returns.
+jinja2 the way ``transformers``' ``apply_chat_template`` does
+(:mod:`areal_agents.serve.chat_template`: the same sandboxed environment, options, globals
+and ``tojson`` filter), with the same variables (``messages``, ``tools``, ``documents``,
+``add_generation_prompt``, the named special tokens ``bos_token``, ``eos_token``, ... and any
+extra keyword such as ``enable_thinking``). ``encode_chat`` returns the ids
+``apply_chat_template(..., tokenize=True)`` returns.
 
-Messages are normalised the way the OpenAI API allows them:
-
-- keys whose value is ``None`` are dropped (as transformers does), except ``content``: a
-  ``None`` or missing content becomes ``""`` (OpenAI sends ``content: null`` beside
-  ``tool_calls``, and most templates concatenate the content);
-- a content list of text parts (``{"type": "text", "text": ...}``) is joined with ``"\\n"``
-  (as vLLM does); other part types are refused with a ``ValueError``;
-- tool call ``arguments`` are passed as given (the OpenAI JSON string) when the template
-  tests ``arguments is string``/``is mapping`` (Qwen3 inserts a string verbatim, so the model's
-  own text comes back unchanged), and decoded into a mapping when the template pipes them
-  through ``tojson`` without such a test (it would double-encode a string otherwise);
-- ``reasoning_content``, ``reasoning`` and ``thinking`` are aliases: whichever is set fills
-  ``reasoning_content`` and ``thinking`` (as transformers does).
-
-Templates without tool support
-------------------------------
-When the template does not read ``tools`` (``supports_tools`` is ``False``, e.g. SmolLM2's
-ChatML), :meth:`ChatTokenizer.render` writes the tools into the conversation itself, in the
-Hermes format, before applying the template:
-
-1. With ``tools``, the system message gets a ``# Tools`` section (after a blank line; a new
-   system message holding only the section goes first when there is none; note that this
-   replaces a template's default system prompt)::
-
-       # Tools
-
-       You can call these functions (JSON schemas, one per line):
-       <tools>
-       {"type": "function", "function": {"name": "add", ...}}
-       </tools>
-
-       To call one, answer with a JSON object of its name and arguments inside
-       <tool_call></tool_call> tags, one block per call:
-       <tool_call>
-       {"name": <function-name>, "arguments": <arguments-as-a-JSON-object>}
-       </tool_call>
-       Each result comes back inside <tool_response></tool_response> tags.
-
-2. An assistant message with ``tool_calls`` becomes one whose content is its text (if any)
-   and then one block per call, joined by ``"\\n"``::
-
-       <tool_call>
-       {"name": "add", "arguments": {"a": 1, "b": 2}}
-       </tool_call>
-
-   ``arguments`` is written verbatim when it is a string (the model's own text, kept by
-   :func:`areal_agents.serve.toolcall.parse_tool_calls`), so the rendered assistant turn is exactly
-   what the model generated when it followed the format.
-3. Each run of consecutive ``tool`` messages becomes ONE ``user`` message holding one
-   ``<tool_response>\\n{content}\\n</tool_response>`` block per result, joined by ``"\\n"``.
-   A ``user`` turn is the only non-assistant turn small ChatML models were trained on; this
-   is also how Qwen's own template renders tool results.
-
-This conversion also applies to tool calls and tool results in the history when ``tools``
-is not given; only the ``# Tools`` section needs ``tools``.
+Messages are normalised the way the OpenAI API allows them, and templates without tool
+support get the tools, tool calls and tool results written in the Hermes format
+(:mod:`areal_agents.serve.chat_messages`).
 
 Not supported: ``continue_final_message``, callables as tools (pass JSON schemas),
 ``return_assistant_tokens_mask`` (the ``{% generation %}`` tag renders its body unchanged).
@@ -88,362 +34,33 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, is_dataclass
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.meta
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from areal_agents.errors import ModelNotFound
+from areal_agents.serve.chat_messages import (
+    Message,
+    check_tools,
+    inline_tools,
+    normalize_messages,
+    plain,
+)
+from areal_agents.serve.chat_template import (
+    compile_template,
+    template_variables,
+    wants_mapping_arguments,
+)
 
-__all__ = ["ChatTokenizer", "format_tool_call", "load_tokenizer", "render_tool_prompt"]
-
-Message = Mapping[str, Any]
+__all__ = ["ChatTokenizer", "load_tokenizer"]
 
 # The named special tokens passed to every template (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 _SPECIAL_TOKEN_NAMES: tuple[str, ...] = ("bos_token", "eos_token", "unk_token", "sep_token")
 _SPECIAL_TOKEN_NAMES += ("pad_token", "cls_token", "mask_token")
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-_TEXT_PART_TYPES = ("text", "input_text", "output_text")
 # transformers writes int(1e30) as model_max_length when the model gives none.
 _UNSET_MAX_LENGTH = 10**18
-
-
-# --- the tool prompt for templates without tool support --------------------------------------
-
-_TOOL_PROMPT_HEAD = (
-    "# Tools\n\nYou can call these functions (JSON schemas, one per line):\n<tools>\n"
-)
-_TOOL_PROMPT_TAIL = (
-    "\n</tools>\n\n"
-    "To call one, answer with a JSON object of its name and arguments inside\n"
-    "<tool_call></tool_call> tags, one block per call:\n"
-    '<tool_call>\n{"name": <function-name>, "arguments": <arguments-as-a-JSON-object>}\n'
-    "</tool_call>\n"
-    "Each result comes back inside <tool_response></tool_response> tags."
-)
-
-
-def render_tool_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The ``# Tools`` system-prompt section for templates that do not render tools.
-
-    >>> print(render_tool_prompt([{"type": "function", "function": {"name": "f"}}]))
-    ... # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
-    # Tools
-    <BLANKLINE>
-    You can call these functions (JSON schemas, one per line):
-    <tools>
-    {"type": "function", "function": {"name": "f"}}
-    </tools>
-    ...
-    """
-    lines = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return _TOOL_PROMPT_HEAD + lines + _TOOL_PROMPT_TAIL
-
-
-def format_tool_call(name: str, arguments: str | Mapping[str, Any]) -> str:
-    """One Hermes ``<tool_call>`` block, the way the tool prompt asks the model to write it.
-
-    A string ``arguments`` is written verbatim; a mapping as JSON (``ensure_ascii=False``).
-
-    >>> format_tool_call("add", '{"a": 1}')
-    '<tool_call>\\n{"name": "add", "arguments": {"a": 1}}\\n</tool_call>'
-    """
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    head = json.dumps(name, ensure_ascii=False)
-    return f'<tool_call>\n{{"name": {head}, "arguments": {args}}}\n</tool_call>'
-
-
-# --- the jinja environment -------------------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (marks assistant text): renders its body."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja's own class attribute)
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        call = self.call_method("_body")
-        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return str(caller())
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """``namespace()`` that refuses underscore attributes, so templates cannot reach internals."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check(name)
-        super().__setitem__(name, value)
-
-    @staticmethod
-    def _check(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot set underscore attributes on a namespace, got {name!r}"
-            )
-
-
-class _DictFactory:
-    """``dict(...)`` and ``dict.fromkeys(...)`` for templates, without the type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-# Attribute names an exact ``dict`` resolves with ``getattr`` (its methods and object's).
-_DICT_ATTRIBUTES = frozenset(dir(dict))
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """jinja's immutable sandbox with the same decisions, made faster for chat templates.
-
-    Two shortcuts, both exact: ``message.role`` on a plain ``dict`` goes straight to the
-    item when ``dict`` has no attribute of that name (the sandbox would try ``getattr``
-    first, fail and then subscript), and whether an attribute is safe, which jinja decides
-    from the object's type and the attribute's name only, is remembered per (type, name).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._safe: dict[tuple[type, str], bool] = {}
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
-            try:
-                return obj[attribute]
-            except KeyError:
-                return self.undefined(obj=obj, name=attribute)
-        return super().getattr(obj, attribute)
-
-    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-        key = (type(obj), attr)
-        safe = self._safe.get(key)
-        if safe is None:
-            safe = super().is_safe_attribute(obj, attr, value)
-            if len(self._safe) < 4096:
-                self._safe[key] = safe
-        return safe
-
-
-@lru_cache(maxsize=1)
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = _Sandbox(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals.update(
-        raise_exception=_raise_exception,
-        strftime_now=_strftime_now,
-        dict=_DictFactory(),
-        namespace=_Namespace,
-    )
-    return env
-
-
-@lru_cache(maxsize=32)
-def _compile(source: str) -> jinja2.Template:
-    return _environment().from_string(source)
-
-
-@lru_cache(maxsize=32)
-def _template_variables(source: str) -> frozenset[str]:
-    return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
-
-
-def _wants_mapping_arguments(source: str) -> bool:
-    """Whether the template needs tool call arguments as a mapping (see the module doc)."""
-    if re.search(r"arguments\s+is\s+(?:not\s+)?(?:string|mapping)", source):
-        return False
-    return re.search(r"arguments\s*\|\s*tojson", source) is not None
-
-
-# --- message normalisation -------------------------------------------------------------------
-
-
-_JSON_SCALARS = frozenset({str, int, float, bool, type(None)})
-
-
-def _plain(value: Any) -> Any:
-    """Rebuild ``value`` from plain JSON types; other objects become ``"<TypeName>"``."""
-    kind = type(value)
-    if kind in _JSON_SCALARS:
-        return value
-    # Plain dicts and lists first, their scalars copied in place: the same result as the
-    # general cases below, with far fewer calls.
-    if kind is dict:
-        return {
-            (key if type(key) is str else _plain(key)): (
-                item if type(item) in _JSON_SCALARS else _plain(item)
-            )
-            for key, item in value.items()
-        }
-    if kind is list:
-        return [item if type(item) in _JSON_SCALARS else _plain(item) for item in value]
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_plain(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(item) for item in value)
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if callable(getattr(value, "model_dump", None)):  # pydantic, e.g. the OpenAI SDK's messages
-        return _plain(value.model_dump())
-    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)):
-        return _plain(value.item())
-    return f"<{type(value).__name__}>"
-
-
-def _content_text(content: Any, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list | tuple):
-        texts = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif isinstance(part, dict) and part.get("type", "text") in _TEXT_PART_TYPES:
-                texts.append(str(part.get("text", "")))
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(
-                    f"message {index}: expected text content parts, got a {kind!r} part; "
-                    "this tokenizer renders text only"
-                )
-        return "\n".join(texts)
-    raise TypeError(
-        f"message {index}: expected content as a str, None or a list of text parts, "
-        f"got {type(content).__name__}"
-    )
-
-
-def _normalize_tool_call(call: Any, index: int, as_mapping: bool) -> Any:
-    if not isinstance(call, dict):
-        raise TypeError(f"message {index}: expected each tool call as a dict, got {call!r}")
-    function = call.get("function")
-    if not as_mapping or not isinstance(function, dict):
-        return call
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            decoded = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"message {index}: tool call {function.get('name')!r} has arguments that are "
-                f"not valid JSON ({e.msg} at char {e.pos}); expected a JSON object string"
-            ) from None
-        call = {**call, "function": {**function, "arguments": decoded}}
-    return call
-
-
-def _normalize_messages(messages: Sequence[Message], as_mapping: bool) -> list[dict[str, Any]]:
-    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
-        raise TypeError(f"expected messages as a list of dicts, got {type(messages).__name__}")
-    if not messages:
-        raise ValueError("cannot render an empty conversation; give at least one message")
-    normalized = []
-    for index, message in enumerate(_plain(list(messages))):
-        if not isinstance(message, dict):
-            raise TypeError(f"message {index}: expected a dict, got {type(message).__name__}")
-        message = {key: value for key, value in message.items() if value is not None}
-        if not isinstance(message.get("role"), str):
-            raise ValueError(f'message {index}: expected a "role" string, got {message!r}')
-        message["content"] = _content_text(message.get("content"), index)
-        if "tool_calls" in message:
-            calls = message["tool_calls"]
-            if not isinstance(calls, list | tuple):
-                raise TypeError(f"message {index}: expected tool_calls as a list, got {calls!r}")
-            message["tool_calls"] = [_normalize_tool_call(c, index, as_mapping) for c in calls]
-        reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        normalized.append(message)
-    return normalized
-
-
-def _inline_tools(messages: list[dict[str, Any]], tools: list[Any] | None) -> list[dict[str, Any]]:
-    """Write tools, tool calls and tool results as text (the documented Hermes format)."""
-    out: list[dict[str, Any]] = []
-    previous_was_tool = False
-    for message in messages:
-        role = message["role"]
-        if role == "tool":
-            block = f"<tool_response>\n{message['content']}\n</tool_response>"
-            if previous_was_tool:
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block})
-            previous_was_tool = True
-            continue
-        previous_was_tool = False
-        if role == "assistant" and message.get("tool_calls"):
-            blocks = [message["content"]] if message["content"] else []
-            for call in message["tool_calls"]:
-                function = call.get("function", call)
-                blocks.append(format_tool_call(function["name"], function.get("arguments", {})))
-            message = {k: v for k, v in message.items() if k != "tool_calls"}
-            message["content"] = "\n".join(blocks)
-        out.append(message)
-    if tools:
-        section = render_tool_prompt(tools)
-        if out and out[0]["role"] == "system":
-            system = out[0]["content"]
-            out[0] = {**out[0], "content": f"{system}\n\n{section}" if system else section}
-        else:
-            out.insert(0, {"role": "system", "content": section})
-    return out
 
 
 # --- the tokenizer ---------------------------------------------------------------------------
@@ -678,7 +295,7 @@ class ChatTokenizer:
 
         When it does not, :meth:`render` writes the documented Hermes tool prompt.
         """
-        return "tools" in _template_variables(self.template_source(tools=[]))
+        return "tools" in template_variables(self.template_source(tools=[]))
 
     def render(
         self,
@@ -700,15 +317,15 @@ class ChatTokenizer:
             TypeError, ValueError: The messages or tools are malformed, or the template
                 rejected them (its ``raise_exception``); the message says which.
         """
-        tool_list = _check_tools(tools)
+        tool_list = check_tools(tools)
         source = self.template_source(tool_list)
-        conversation = _normalize_messages(messages, _wants_mapping_arguments(source))
+        conversation = normalize_messages(messages, wants_mapping_arguments(source))
         if not self.supports_tools:
-            conversation = _inline_tools(conversation, tool_list)
-        variables = _plain({**self.special_tokens, **template_kwargs})
+            conversation = inline_tools(conversation, tool_list)
+        variables = plain({**self.special_tokens, **template_kwargs})
         documents = variables.pop("documents", None)
         try:
-            return _compile(source).render(
+            return compile_template(source).render(
                 messages=conversation,
                 tools=tool_list,
                 documents=documents,
@@ -869,20 +486,6 @@ def _decoder_kind(tokenizer: Tokenizer) -> str:
     }:
         return "sentencepiece"
     return "other"
-
-
-def _check_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[Any] | None:
-    if tools is None:
-        return None
-    if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence):
-        raise TypeError(f"expected tools as a list of JSON schemas, got {type(tools).__name__}")
-    for tool in tools:
-        if not isinstance(tool, Mapping):
-            raise TypeError(
-                f"expected each tool as a JSON schema dict, got {type(tool).__name__}; "
-                "convert functions to schemas first"
-            )
-    return list(_plain(list(tools)))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -64,9 +64,10 @@ only tool calls, then one ``function_call`` item per call, whose ``call_id`` is 
 top-level field ``completion_id``: the recorded completion, for ``POST
 /sessions/{id}/rewards``.
 
-With ``stream: true`` the same response is replayed as server-sent events (``event:`` and
-``data:`` lines, each with a ``sequence_number``): ``response.created``,
-``response.in_progress``, then per output item ``response.output_item.added``, its content
+With ``stream: true`` the same response is replayed as server-sent events
+(:func:`~areal_agents.serve.sse.responses_sse`; ``event:`` and ``data:`` lines, each with a
+``sequence_number``): ``response.created``, ``response.in_progress``, then per output item
+``response.output_item.added``, its content
 events (``response.reasoning_text.delta/.done``; ``response.content_part.added``,
 ``response.output_text.delta/.done``, ``response.content_part.done``;
 ``response.function_call_arguments.delta/.done``) and ``response.output_item.done``, and last
@@ -76,11 +77,9 @@ events (``response.reasoning_text.delta/.done``; ``response.content_part.added``
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
@@ -88,9 +87,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.responses import Response as HttpResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from areal_agents.serve.proxy import ApiError, Proxy
+from areal_agents.serve.api_error import ApiError
+from areal_agents.serve.core import ProxyCore
 from areal_agents.serve.schemas import SEED_MAX, TOKENS_MAX
 from areal_agents.serve.session import Session
+from areal_agents.serve.sse import responses_sse
 from areal_agents.trajectory import Completion, message_key
 
 M = TypeVar("M", bound=BaseModel)
@@ -197,7 +198,7 @@ class ResponsesRequest(_Wire):
 
 # ---------------------------------------------------------------------- the endpoint
 async def respond(
-    proxy: Proxy,
+    proxy: ProxyCore,
     session: Session | None,
     req: ResponsesRequest,
     *,
@@ -232,7 +233,7 @@ async def respond(
             proxy.store.put_response(session.id, response["id"], conversation)
     await proxy.commit(reply)
     if req.stream:
-        return StreamingResponse(sse_events(response), media_type="text/event-stream")
+        return StreamingResponse(responses_sse(response), media_type="text/event-stream")
     return JSONResponse(response)
 
 
@@ -256,7 +257,7 @@ def _refuse_server_state(req: ResponsesRequest) -> None:
 
 
 async def _prior_conversation(
-    proxy: Proxy, session: Session | None, response_id: str | None
+    proxy: ProxyCore, session: Session | None, response_id: str | None
 ) -> list[dict[str, Any]]:
     if response_id is None:
         return []
@@ -624,76 +625,6 @@ def _echo_text(text: TextConfig | None) -> dict[str, Any]:
         if text.verbosity is not None:
             out["verbosity"] = text.verbosity
     return out
-
-
-# ---------------------------------------------------------------------- streaming
-async def sse_events(response: dict[str, Any]) -> AsyncIterator[str]:
-    """Replay a finished Response as the Responses API's server-sent events."""
-    for event in stream_events(response):
-        yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
-
-
-def stream_events(response: dict[str, Any]) -> list[dict[str, Any]]:
-    """The event objects of a streamed ``response``, numbered by ``sequence_number``."""
-    events: list[dict[str, Any]] = []
-
-    def emit(kind: str, **fields: Any) -> None:
-        events.append({"type": kind, "sequence_number": len(events), **fields})
-
-    started = {**response, "status": "in_progress", "output": [], "usage": None}
-    started.update(completed_at=None, incomplete_details=None)
-    emit("response.created", response=started)
-    emit("response.in_progress", response=started)
-    for index, item in enumerate(response["output"]):
-        emit("response.output_item.added", output_index=index, item=_opened(item))
-        _ITEM_EVENTS[item["type"]](emit, index, item)
-        emit("response.output_item.done", output_index=index, item=item)
-    final = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-    emit(final, response=response)
-    return events
-
-
-def _opened(item: dict[str, Any]) -> dict[str, Any]:
-    """``item`` as ``response.output_item.added`` announces it: in progress, no content yet."""
-    opened = {**item, "status": "in_progress"}
-    if item["type"] in ("message", "reasoning"):
-        opened["content"] = []
-    elif item["type"] == "function_call":
-        opened["arguments"] = ""
-    return opened
-
-
-Emit = Callable[..., None]
-
-
-def _reasoning_events(emit: Emit, index: int, item: dict[str, Any]) -> None:
-    text = item["content"][0]["text"]
-    where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-    emit("response.reasoning_text.delta", delta=text, **where)
-    emit("response.reasoning_text.done", text=text, **where)
-
-
-def _message_events(emit: Emit, index: int, item: dict[str, Any]) -> None:
-    part = item["content"][0]
-    where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-    emit("response.content_part.added", part={**part, "text": "", "logprobs": []}, **where)
-    if part["text"]:
-        emit("response.output_text.delta", delta=part["text"], logprobs=part["logprobs"], **where)
-    emit("response.output_text.done", text=part["text"], logprobs=part["logprobs"], **where)
-    emit("response.content_part.done", part=part, **where)
-
-
-def _call_events(emit: Emit, index: int, item: dict[str, Any]) -> None:
-    where = {"item_id": item["id"], "output_index": index}
-    emit("response.function_call_arguments.delta", delta=item["arguments"], **where)
-    emit("response.function_call_arguments.done", arguments=item["arguments"], **where)
-
-
-_ITEM_EVENTS: dict[str, Callable[[Emit, int, dict[str, Any]], None]] = {
-    "reasoning": _reasoning_events,
-    "message": _message_events,
-    "function_call": _call_events,
-}
 
 
 # ---------------------------------------------------------------------- the store

@@ -4,6 +4,7 @@ the foreground (``areal-agent serve``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import threading
@@ -177,6 +178,4 @@ class _NoSignalServer(uvicorn.Server):
     """uvicorn without its signal handlers: the program that embeds it handles Ctrl-C."""
 
     def capture_signals(self) -> Any:
-        import contextlib
-
         return contextlib.nullcontext()

@@ -1,4 +1,9 @@
-"""Sessions: one API key per episode, so a session's key only ever reaches its own episode."""
+"""Sessions: one API key per episode, so a session's key only ever reaches its own episode.
+
+The durable store (:class:`~areal_agents.serve.store.EpisodeStore`) builds on this module: it
+writes and restores :class:`Session` objects, and a :class:`SessionStore` reaches it only
+through what :class:`DurableStore` names.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,12 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from areal_agents.errors import SessionError, UserError
 from areal_agents.trajectory import Completion, Episode
-
-if TYPE_CHECKING:
-    from areal_agents.serve.store import EpisodeStore
 
 
 def hash_key(api_key: str) -> str:
@@ -51,6 +54,28 @@ class Session:
         return self.episode.ended
 
 
+class DurableStore(Protocol):
+    """What a :class:`SessionStore` writes through to and restores from: an
+    :class:`~areal_agents.serve.store.EpisodeStore` (each write returns the future of its
+    commit)."""
+
+    def put_session(self, session: Session) -> Future[Any]: ...
+
+    def put_header(self, session: Session) -> Future[Any]: ...
+
+    def put_completion(
+        self, session: Session, completion: Completion, seq: int, earlier: list[Completion]
+    ) -> Future[Any]: ...
+
+    def put_reward(self, session: Session, completion_id: str | None) -> Future[Any]: ...
+
+    def put_deleted(self, session_id: str) -> Future[Any]: ...
+
+    def session_id_for_key(self, api_key: str) -> str | None: ...
+
+    def load(self, session_id: str) -> Session | None: ...
+
+
 class SessionStore:
     """The sessions of one proxy. Not thread-safe: used from the proxy's event loop.
 
@@ -62,7 +87,7 @@ class SessionStore:
     """
 
     def __init__(
-        self, durable: EpisodeStore | None = None, *, restore: bool = True, keep_ended: int = 256
+        self, durable: DurableStore | None = None, *, restore: bool = True, keep_ended: int = 256
     ) -> None:
         self.durable = durable
         self.restore = restore and durable is not None

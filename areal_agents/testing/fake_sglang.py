@@ -36,18 +36,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import json
 import math
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from areal_agents.engines.protocol import GenerateResult, SamplingParams, WeightUpdate
+from areal_agents.serve.chat import ChatTokenizer
 
 TOP_K_ALL = 1 << 30
 _SAMPLING_KEYS = {
@@ -92,8 +95,7 @@ class FakeSGLang:
         dtype: str = "float32",
         max_batch_size: int = 16,
     ) -> None:
-        from areal_agents.engines.embedded import EmbeddedEngine
-        from areal_agents.serve.chat import ChatTokenizer
+        from areal_agents.engines.embedded import EmbeddedEngine  # noqa: PLC0415  loads torch here
 
         self.model_dir = str(model_dir)
         self.tokenizer = ChatTokenizer.from_dir(model_dir)
@@ -185,7 +187,9 @@ class FakeSGLang:
         return {"tp_size": 1, "dp_size": 1, "model_path": self.model_dir}
 
     async def init_weights_update_group(self, request: Request) -> dict[str, Any]:
-        from areal_agents.engines.weight_transfer import init_group
+        from areal_agents.engines.weight_transfer import (  # noqa: PLC0415  loads torch here
+            init_group,
+        )
 
         body = await _json(request)
         need = ("master_address", "master_port", "rank_offset", "world_size", "group_name")
@@ -208,7 +212,10 @@ class FakeSGLang:
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     async def update_weights_distributed(self, request: Request) -> Response:
-        from areal_agents.engines.weight_transfer import digest, receive
+        from areal_agents.engines.weight_transfer import (  # noqa: PLC0415  loads torch here
+            digest,
+            receive,
+        )
 
         body = await _json(request)
         group = self._groups.get(str(body.get("group_name")))
@@ -454,8 +461,10 @@ class FakeSGLang:
         }
 
     async def load_lora_adapter(self, request: Request) -> Response:
-        from areal_agents.engines.embedded import EmbeddedEngine
-        from areal_agents.engines.weights import apply_weight_update
+        from areal_agents.engines.embedded import EmbeddedEngine  # noqa: PLC0415  loads torch here
+        from areal_agents.engines.weights import (  # noqa: PLC0415  loads torch here
+            apply_weight_update,
+        )
 
         body = await _json(request)
         name, path = body.get("lora_name"), body.get("lora_path")
@@ -562,8 +571,6 @@ async def _json(request: Request) -> dict[str, Any]:
     if not raw.strip():
         return {}
     try:
-        import json
-
         data = json.loads(raw)
     except ValueError as exc:
         raise _Rejected(f"the request body is not valid JSON: {exc}") from None
@@ -578,8 +585,6 @@ def _lora_error(message: str) -> Response:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")

@@ -13,6 +13,9 @@ import json
 from pathlib import Path
 
 from areal_agents.errors import ConfigError
+from areal_agents.serve.session import Session
+from areal_agents.serve.store import EpisodeStore
+from areal_agents.trajectory import episode_from_dict
 
 __all__ = ["import_run"]
 
@@ -20,10 +23,6 @@ __all__ = ["import_run"]
 def import_run(run_dir: str | Path) -> dict[str, int]:
     """Import ``run_dir/episodes.jsonl`` into ``run_dir/episodes.db``; returns
     ``{imported, skipped, bad_lines}``."""
-    from areal_agents.serve.session import Session
-    from areal_agents.serve.store import EpisodeStore
-    from areal_agents.trajectory import episode_from_dict
-
     run = Path(run_dir).expanduser()
     source = run / "episodes.jsonl"
     if not source.exists():

@@ -12,13 +12,16 @@ its final reward.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 import sqlalchemy as sa
 
-from areal_agents.serve.store import completions, sessions
+from areal_agents.serve import store_schema
+from areal_agents.serve.store_schema import completions, sessions
 from areal_agents.trajectory import merge_decisions, message_key, prompt_base
 
 if TYPE_CHECKING:
@@ -93,16 +96,12 @@ class Filters:
         return f, problems
 
     def query_string(self, **changes: Any) -> str:
-        from urllib.parse import urlencode
-
         values = {**self.__dict__, **changes}
         return urlencode({k: v for k, v in values.items() if v not in (None, "")})
 
 
 def _train_tokens_table() -> sa.Table | None:
-    from areal_agents.serve import store as store_module
-
-    table = getattr(store_module, "train_tokens", None)
+    table = getattr(store_schema, "train_tokens", None)
     return table if isinstance(table, sa.Table) else None
 
 
@@ -292,8 +291,6 @@ def facets(store: EpisodeStore) -> dict[str, list[Any]]:
 
 
 def _loads(text: str | None) -> dict[str, Any]:
-    import json
-
     if not text:
         return {}
     try:
@@ -329,15 +326,11 @@ def _tool_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _json_dumps(value: Any) -> str:
-    import json
-
     return json.dumps(value, ensure_ascii=False)
 
 
 def pretty_json(text: str | None) -> str:
     """``text`` indented when it is JSON, else as it is."""
-    import json
-
     if text is None:
         return ""
     try:

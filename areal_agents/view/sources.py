@@ -22,15 +22,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from areal_agents.errors import ConfigError
-
-if TYPE_CHECKING:
-    from areal_agents.serve.chat import ChatTokenizer
-    from areal_agents.serve.store import EpisodeStore
+from areal_agents.model import resolve_model
+from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.serve.store import EpisodeStore
 
 __all__ = ["Run", "RunSet", "is_run_dir"]
 
@@ -237,8 +236,6 @@ class Run:
             location = self.store_location()
             if location is None:
                 return None
-            from areal_agents.serve.store import EpisodeStore
-
             try:
                 self._store = EpisodeStore(location)
             except ConfigError:
@@ -263,15 +260,11 @@ class Run:
         with self._lock:
             if self._tokenizer is not None or self._tokenizer_error is not None:
                 return self._tokenizer
-            from areal_agents.serve.chat import ChatTokenizer
-
             candidates: list[str] = []
             final = self.file("final")
             if final is not None and (final / "tokenizer.json").exists():
                 candidates.append(str(final))
             if self.kind == "train":
-                from areal_agents.model import resolve_model
-
                 try:
                     model = (self.config().get("model") or {}).get("path")
                     candidates.append(resolve_model(model, quiet=True))

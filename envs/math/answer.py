@@ -110,7 +110,7 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 def _verify(predicted: str, gold: str) -> bool:
     """Symbolic check with math_verify; False when it cannot parse either side."""
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # noqa: PLC0415  math_verify loads only when grading
 
     # math_verify's timeouts use signal.alarm, which works only in the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None

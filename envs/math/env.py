@@ -242,7 +242,8 @@ class MathEnv(_AnswerEnv):
     """GSM8K-style word problems, multi-turn, with a calculator (and optional python) tool.
 
     Args:
-        split: ``"train"`` or ``"test"`` (disjoint by question; see :mod:`areal_agents.envs.math.tasks`).
+        split: ``"train"`` or ``"test"`` (disjoint by question; see
+            :mod:`areal_agents.envs.math.tasks`).
         data_path: A GSM8K-format JSONL file to use instead of generated tasks.
         datasets: reasoning-gym datasets to draw from (interleaved).
         num_tasks: Pool size [5000 train, 500 test].
@@ -339,9 +340,10 @@ class CalculatorEnv(_AnswerEnv):
         grounded_ops_reward: Extra credit c_ops for that call when it also uses the
             operators of the task's solution (module docstring) [0.0].
         shape_weights: Relative weights of the arithmetic solution shapes
-            (:data:`~areal_agents.envs.math.generator.ARITHMETIC_SHAPES`; unnamed ones weigh 1), e.g.
-            ``{"(a+b)*c": 3, "(a-b)*c": 3}`` to train more on the parenthesized ones. The split
-            is by question text, so a reweighted pool never holds a test question [uniform].
+            (:data:`~areal_agents.envs.math.generator.ARITHMETIC_SHAPES`; unnamed ones weigh
+            1), e.g. ``{"(a+b)*c": 3, "(a-b)*c": 3}`` to train more on the parenthesized
+            ones. The split is by question text, so a reweighted pool never holds a test
+            question [uniform].
         feedback: Reply to a wrong answer when ``max_attempts > 1``.
         system_prompt: The system message.
     """
@@ -507,8 +509,8 @@ def demos(
 
     Each is ``[system, user, assistant tool call, tool result, assistant answer]``, with the
     default system prompt of :class:`CalculatorEnv` (render the calculator's schema
-    ``areal_agents.tools.calculator.schema`` with them). Tasks are distinct, drawn from the train split
-    only (never a test question), in an order fixed by ``seed``.
+    ``areal_agents.tools.calculator.schema`` with them). Tasks are distinct, drawn from the
+    train split only (never a test question), in an order fixed by ``seed``.
 
     With ``balanced`` [True] every solution shape (the task's kind and its expression with
     each number replaced by ``n``: ``(n + n) * n``) gets the same number of demonstrations,

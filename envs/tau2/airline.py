@@ -3,12 +3,12 @@ update reservations; send certificates.
 
 Each tool has the benchmark's name, arguments, effect on the database and error conditions
 (the same messages, read by the agent as ``Error: ...``). Every tool takes the episode's
-:class:`~areal_agents.envs.tau2.db.Database` as the bound parameter ``db``; :func:`airline_tools` binds
-them to one episode. Write tools check everything before they change anything, so a failed
-call leaves the database as it was. As in the benchmark, "now" is 2024-05-15 15:00 EST,
-new reservations get the ids HATHAT, HATHAU, HATHAV and new certificates the ids
-certificate_3221322 to certificate_3221324; cancelling or changing flights does not give seats
-back to the flights.
+:class:`~areal_agents.envs.tau2.db.Database` as the bound parameter ``db``;
+:func:`airline_tools` binds them to one episode. Write tools check everything before they
+change anything, so a failed call leaves the database as it was. As in the benchmark,
+"now" is 2024-05-15 15:00 EST, new reservations get the ids HATHAT, HATHAU, HATHAV and new
+certificates the ids certificate_3221322 to certificate_3221324; cancelling or changing
+flights does not give seats back to the flights.
 
 One deliberate difference (read-only): ``search_onestop_flight`` looks for the second leg on
 the next day (zero-padded date) when the first leg arrives after midnight.

@@ -81,9 +81,10 @@ class Tau2Env(AgentEnv):
         domain: ``"retail"`` or ``"airline"``.
         split: ``"train"``, ``"test"`` (the benchmark's ``split_tasks.json``), ``"base"`` or
             ``None`` (all tasks).
-        user_simulator: Plays the customer: an :class:`~areal_agents.envs.tau2.user.LLMUserSimulator`
-            or a :class:`~areal_agents.envs.tau2.user.ScriptedUserSimulator`. Required before ``reset``
-            unless ``user_base_url`` is given.
+        user_simulator: Plays the customer: an
+            :class:`~areal_agents.envs.tau2.user.LLMUserSimulator` or a
+            :class:`~areal_agents.envs.tau2.user.ScriptedUserSimulator`. Required before
+            ``reset`` unless ``user_base_url`` is given.
         user_base_url: Instead of ``user_simulator`` (for settings that are plain data:
             ``--env-kwargs``, ``env.kwargs``): an OpenAI-compatible base URL whose model
             plays the customer (an ``LLMUserSimulator``). ``areal-agent eval`` fills it in

@@ -3,9 +3,9 @@ exchange.
 
 Each tool has the benchmark's name, arguments, effect on the database and error conditions
 (the same messages, read by the agent as ``Error: ...``). Every tool takes the episode's
-:class:`~areal_agents.envs.tau2.db.Database` as the bound parameter ``db``; :func:`retail_tools` binds
-them to one episode. Write tools check everything before they change anything, so a failed
-call leaves the database as it was.
+:class:`~areal_agents.envs.tau2.db.Database` as the bound parameter ``db``;
+:func:`retail_tools` binds them to one episode. Write tools check everything before they
+change anything, so a failed call leaves the database as it was.
 
 One deliberate difference: ``modify_pending_order_items`` gives each modified item the price
 and options of its own new variant (the upstream code gives every modified item those of

@@ -22,6 +22,8 @@ import abc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import openai
+
 from areal_agents.envs.tau2.data import Task
 from areal_agents.errors import EnvError
 
@@ -171,8 +173,6 @@ class LLMUserSimulator(UserSimulator):
         self._http_client = http_client
 
     def _new_client(self) -> Any:
-        import openai
-
         return openai.AsyncOpenAI(
             base_url=self.base_url,
             api_key=self.api_key,
@@ -202,8 +202,6 @@ class LLMUserSimulator(UserSimulator):
 
     async def respond(self, task: Task, conversation: Sequence[Message]) -> str:
         """Ask the model for the customer's next message."""
-        import openai
-
         request: dict[str, Any] = {
             "messages": self.messages_for(task, conversation),
             "temperature": self.temperature,

@@ -13,12 +13,8 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from areal_agents.errors import ModelNotFound
-from areal_agents.serve.chat import (
-    ChatTokenizer,
-    format_tool_call,
-    load_tokenizer,
-    render_tool_prompt,
-)
+from areal_agents.serve.chat import ChatTokenizer, load_tokenizer
+from areal_agents.serve.chat_messages import format_tool_call, render_tool_prompt
 from areal_agents.serve.toolcall import parse_tool_calls
 
 

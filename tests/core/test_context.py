@@ -16,6 +16,7 @@ import pytest
 
 from areal_agents.engines.protocol import GenerateResult, SamplingParams
 from areal_agents.errors import ConfigError
+from areal_agents.serve.api_error import ApiError
 from areal_agents.serve.chat import ChatTokenizer
 from areal_agents.serve.context import (
     SUMMARY_INSTRUCTION,
@@ -24,7 +25,7 @@ from areal_agents.serve.context import (
     truncation_marker,
     turn_bounds,
 )
-from areal_agents.serve.proxy import ApiError, Proxy
+from areal_agents.serve.proxy import Proxy
 from areal_agents.serve.server import ProxyServer
 from areal_agents.serve.session import Session
 from areal_agents.serve.store import EpisodeStore
@@ -357,7 +358,7 @@ async def test_the_runner_ends_an_overflowing_episode_as_context_overflow(tok):
 
 
 def test_config_and_policy_errors_name_the_fix(tok):
-    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.config_io import load_config
 
     def problems(*overrides: str) -> list[str]:
         with pytest.raises(ConfigError) as err:
@@ -468,9 +469,10 @@ def test_records_from_before_the_rewrite_columns_still_load(tmp_path: Path):
     from alembic.config import Config
 
     from areal_agents.serve import store as store_module
+    from areal_agents.serve import store_rows, store_schema
 
     path = tmp_path / "old.db"
-    engine = store_module._make_engine(store_module.store_url(path))
+    engine = store_schema.make_engine(store_schema.store_url(path))
     cfg = Config()
     cfg.set_main_option(
         "script_location", str(Path(store_module.__file__).with_name("store_migrations"))
@@ -483,12 +485,12 @@ def test_records_from_before_the_rewrite_columns_still_load(tmp_path: Path):
     )
     session = Session("s-old", "", Episode("s-old", group_id="g"), created_at=1.0)
     session.episode.add(c)
-    row = store_module._completion_row(session, 0, c, [])
+    row = store_rows.completion_row(session, 0, c, [])
     for name in ("context_rewrite", "context_edits", "segment", "trained"):
         del row[name]
     with engine.begin() as conn:
-        conn.execute(store_module.sessions.insert(), store_module._session_row(session))
-        conn.execute(store_module.completions.insert(), row)
+        conn.execute(store_schema.sessions.insert(), store_rows.session_row(session))
+        conn.execute(store_schema.completions.insert(), row)
     engine.dispose()
     store = EpisodeStore(path)
     with store.engine.connect() as conn:

@@ -171,7 +171,7 @@ def test_batch_kv_layer_matches_left_padded_concatenation():
     """The batch cache's in-place buffers hold exactly what concatenating left-padded rows
     would: through joins of shorter and longer rows, decode steps, retirements that move the
     last row into the hole, and trimming of all-padding columns (buffers regrow as needed)."""
-    from areal_agents.engines.embedded import _batch_layer_class
+    from areal_agents.engines.kv_cache import batch_layer_class
 
     gen = torch.Generator().manual_seed(0)
 
@@ -183,7 +183,7 @@ def test_batch_kv_layer_matches_left_padded_concatenation():
         return torch.stack([torch.cat([torch.zeros(2, width - r.shape[1], 3), r], 1) for r in rows])
 
     first = kv(5)
-    layer = _batch_layer_class()(first, first + 1)
+    layer = batch_layer_class()(first, first + 1)
     ref = [first[0]]  # per row: [H, L, D] (values are keys + 1 throughout)
 
     def check() -> None:
@@ -224,7 +224,7 @@ def test_batch_kv_layer_matches_left_padded_concatenation():
 
 
 def test_inverse_cdf_sampling_hand_computed_and_distribution():
-    from areal_agents.engines.embedded import _sample_rows, _truncate
+    from areal_agents.engines.sampling import _sample_rows, _truncate
 
     # P = (0.1, 0.2, 0, 0.7): C = (0.1, 0.3, 0.3, 1.0); u picks the first i with u < C[i]
     probs = torch.tensor([0.1, 0.2, 0.0, 0.7])
@@ -266,7 +266,7 @@ def test_sliced_output_projection_equals_the_plain_one():
     """On CPU the engine computes the vocabulary projection in slices of its weight's rows:
     the same logits as one matmul, the weight (tied to the embeddings here) and the state
     dict untouched, so weight updates still reach it."""
-    from areal_agents.engines.embedded import _LOGIT_SLICE, _slice_output_projection
+    from areal_agents.engines.attention import _LOGIT_SLICE, slice_output_projection
 
     torch.manual_seed(0)
     vocab = 4 * _LOGIT_SLICE + 77  # a last slice shorter than the others
@@ -275,7 +275,7 @@ def test_sliced_output_projection_equals_the_plain_one():
     with torch.no_grad():
         plain = model(ids).logits
         keys = set(model.state_dict())
-        _slice_output_projection(model)
+        slice_output_projection(model)
         head = model.get_output_embeddings()
         assert "forward" in vars(head)  # the instance's forward was replaced
         sliced = model(ids).logits
@@ -290,10 +290,10 @@ def test_sliced_output_projection_equals_the_plain_one():
 
 
 def test_small_vocabularies_keep_the_plain_projection():
-    from areal_agents.engines.embedded import _slice_output_projection
+    from areal_agents.engines.attention import slice_output_projection
 
     model = _one_layer_llama(256, tie=False)
-    _slice_output_projection(model)
+    slice_output_projection(model)
     assert "forward" not in vars(model.get_output_embeddings())
 
 
@@ -303,7 +303,7 @@ def test_cascade_attention_equals_attention_over_the_whole_row():
     over the row's real tokens, with grouped-query heads."""
     from types import SimpleNamespace
 
-    from areal_agents.engines import embedded as E
+    from areal_agents.engines import attention as E
 
     torch.manual_seed(0)
     rows, heads, kv_heads, dim, n = 3, 6, 2, 8, 5

@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 from areal_agents.rollout.workers import WorkerHub
+from areal_agents.serve.bodies import check_json, load_json
 from areal_agents.serve.chat import ChatTokenizer
-from areal_agents.serve.proxy import Proxy, check_json, load_json
+from areal_agents.serve.proxy import Proxy
 from areal_agents.serve.schemas import json_text_depth
 from areal_agents.testing.fake_engine import FakeEngine
 

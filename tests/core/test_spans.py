@@ -198,7 +198,7 @@ def test_a_training_run_writes_its_spans_and_time_metrics(tiny_model_dir, tmp_pa
     """Two GRPO steps on the tiny model: spans.jsonl has the engine's prefill and decode, the
     trainer's forward, backward and optimizer, the weight syncs and one span per episode;
     each step's time/* metrics agree with busy_idle over the spans of that step."""
-    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.config_io import load_config
     from areal_agents.trainer.loop import Trainer
 
     out = tmp_path / "run"

@@ -16,8 +16,9 @@ import pytest
 
 from areal_agents.engines.launch import free_port
 from areal_agents.errors import BackendError
+from areal_agents.serve.api_error import ApiError
 from areal_agents.serve.chat import ChatTokenizer
-from areal_agents.serve.proxy import ApiError, Proxy
+from areal_agents.serve.proxy import Proxy
 from areal_agents.serve.server import ProxyServer
 from areal_agents.serve.session import SessionStore
 from areal_agents.serve.store import EpisodeStore

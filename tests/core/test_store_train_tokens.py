@@ -12,15 +12,10 @@ import pytest
 import sqlalchemy as sa
 
 from areal_agents.serve import store as store_module
+from areal_agents.serve import store_rows, store_schema
 from areal_agents.serve.session import Session
-from areal_agents.serve.store import (
-    SCHEMA_HEAD,
-    EpisodeStore,
-    completions,
-    fts5_match,
-    search_words,
-    sessions,
-)
+from areal_agents.serve.store import EpisodeStore, fts5_match, search_words
+from areal_agents.serve.store_schema import SCHEMA_HEAD, completions, sessions
 from areal_agents.trajectory import Completion, Episode
 
 HOSTILE = [
@@ -88,7 +83,7 @@ def test_a_0001_store_with_rows_upgrades_and_old_words_are_found(store_url: str)
     from alembic import command
     from alembic.config import Config
 
-    engine = store_module._make_engine(store_module.store_url(store_url))
+    engine = store_schema.make_engine(store_schema.store_url(store_url))
     cfg = Config()
     cfg.set_main_option(
         "script_location", str(Path(store_module.__file__).with_name("store_migrations"))
@@ -105,8 +100,8 @@ def test_a_0001_store_with_rows_upgrades_and_old_words_are_found(store_url: str)
     session.episode.add(c)
     with engine.begin() as conn:
         assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0001"
-        conn.execute(sessions.insert(), store_module._session_row(session))
-        row = store_module._completion_row(session, 0, c, [])
+        conn.execute(sessions.insert(), store_rows.session_row(session))
+        row = store_rows.completion_row(session, 0, c, [])
         for later in ("context_rewrite", "context_edits", "segment", "trained"):  # 0003
             del row[later]
         conn.execute(completions.insert(), row)
@@ -174,7 +169,7 @@ def test_search_finds_content_tool_calls_and_non_ascii_text(store_url: str) -> N
     )
     _put_episode(store, "s-c", [odd], group="h")
     junk = {  # rows no proxy writes: text that is not JSON, entries that are not messages
-        **store_module._completion_row(Session("s-c", "", Episode("s-c")), 1, odd, []),
+        **store_rows.completion_row(Session("s-c", "", Episode("s-c")), 1, odd, []),
         "id": "c1",
         "messages_suffix": '["not a message", 7, {"content": 3}, {"content": "okapi"}]',
         "message": '{"tool_calls": ["junk", {"function": "x"}, {"function": {"arguments": 5}}]}',

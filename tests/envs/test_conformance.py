@@ -1,4 +1,5 @@
-"""areal_agents.envs.checker: built-in envs and the example env pass check_env; broken envs are caught."""
+"""areal_agents.envs.checker: built-in envs and the example env pass check_env; broken envs
+are caught."""
 
 from __future__ import annotations
 

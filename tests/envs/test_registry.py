@@ -25,7 +25,8 @@ BUILTIN_IDS = [
 def test_importing_envs_registers_builtins_in_gymnasium_without_importing_them():
     code = textwrap.dedent(
         """
-        import sys, gymnasium, envs
+        import sys, gymnasium
+        from areal_agents import envs
         ids = [i for i, _ in envs.list_envs()]
         print(all(i in gymnasium.registry for i in ids), len(ids))
         prefixes = ("areal_agents.envs.math", "areal_agents.envs.search", "areal_agents.envs.tau2")

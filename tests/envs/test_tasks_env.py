@@ -162,7 +162,9 @@ def test_score_import_errors_name_the_fix(tmp_path):
         "tasks_score_fixture:scroe": "has no attribute 'scroe'. Did you mean 'score'",
         "tasks_score_fixtur:score": "no module named 'tasks_score_fixtur'. Did you mean "
         "'tasks_score_fixture'",
-        "areal_agents.envs.tasks.scorin:exact_match": "Did you mean 'areal_agents.envs.tasks.scoring'",
+        "areal_agents.envs.tasks.scorin:exact_match": (
+            "Did you mean 'areal_agents.envs.tasks.scoring'"
+        ),
         "tasks_score_fixture:NOT_A_FUNCTION": "is a int, not a function",
         "tasks_score_fixture:too_few_args": "cannot be called as fn(task, final_answer, episode)",
         "tasks_score_fixture.score": "expected 'package.module:function'",

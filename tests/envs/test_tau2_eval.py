@@ -22,13 +22,16 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_eval_on_tau2_retail_runs_with_the_served_model_as_the_user(tmp_path):
-    """The default model (a random tiny one answers the customer's prompt greedily with an
-    empty message, which the up-front reset reports as the user model's failure)."""
+def test_eval_on_tau2_retail_runs_with_the_served_model_as_the_user(talking_model_dir, tmp_path):
+    """On the tiny model with an output head of its own (the tied one answers the
+    customer's prompt greedily with an empty message, which the up-front reset reports as
+    the user model's failure) and an 8192-token context, as the default model has."""
     out = cli(
         "eval",
         "--env",
         "areal/Tau2Retail-v0",
+        "--model",
+        str(talking_model_dir),
         "--dtype",
         "float32",
         "--episodes",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from areal_agents.trainer.algorithms import ALGORITHMS
-from areal_agents.trainer.config import load_config
+from areal_agents.trainer.config_io import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "agents" / "algorithms"

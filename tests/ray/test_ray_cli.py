@@ -42,8 +42,10 @@ def test_ray_flags_without_ray_name_the_install_command(argv):
 
 def test_local_code_paths_never_import_ray():
     done = _run(
-        "import areal_agents, areal_agents.cli.main, areal_agents.rollout.runner, areal_agents.rollout.evaluate\n"
-        "import areal_agents.serve.proxy, areal_agents.serve.server, areal_agents.trainer.config, areal_agents.trainer.loop\n"
+        "import areal_agents, areal_agents.cli.main, areal_agents.rollout.runner\n"
+        "import areal_agents.rollout.evaluate, areal_agents.serve.proxy\n"
+        "import areal_agents.serve.server\n"
+        "import areal_agents.trainer.config, areal_agents.trainer.loop\n"
         "import sys; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
     )
     assert done.returncode == 0, done.stderr

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from areal_agents import spans
-from areal_agents.trainer.config import load_config
+from areal_agents.trainer.config_io import load_config
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""areal_agents.tools.calculator: correct arithmetic, and specific errors instead of unsafe evaluation."""
+"""areal_agents.tools.calculator: correct arithmetic, and specific errors instead of unsafe
+evaluation."""
 
 from __future__ import annotations
 

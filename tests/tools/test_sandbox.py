@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import areal_agents.tools.sandbox as sandbox
+import areal_agents.tools.sandbox_bwrap as sandbox_bwrap
 from areal_agents.tools.sandbox import (
     SandboxLimits,
     SandboxUnavailableError,
@@ -281,10 +281,10 @@ def test_isolation_is_chosen_explicitly(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_missing_bubblewrap_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sandbox, "_verified", set())
-    real_which = sandbox.shutil.which
+    monkeypatch.setattr(sandbox_bwrap, "_verified", set())
+    real_which = sandbox_bwrap.shutil.which
     monkeypatch.setattr(
-        sandbox.shutil,
+        sandbox_bwrap.shutil,
         "which",
         lambda name, **kw: None if name == "bwrap" else real_which(name, **kw),
     )
@@ -301,8 +301,10 @@ def test_bubblewrap_without_user_namespaces_refuses_with_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     failing = ["/bin/sh", "-c", "echo 'bwrap: setting up uid map: Permission denied' >&2; exit 1"]
-    monkeypatch.setattr(sandbox, "_verified", set())
-    monkeypatch.setattr(sandbox, "_bwrap_launch", lambda limits: sandbox._Launch([*failing, "sh"]))
+    monkeypatch.setattr(sandbox_bwrap, "_verified", set())
+    monkeypatch.setattr(
+        sandbox_bwrap, "bwrap_launch", lambda limits: sandbox_bwrap.BwrapLaunch([*failing, "sh"])
+    )
     with pytest.raises(SandboxUnavailableError) as info:
         check_sandbox("bwrap")
     text = str(info.value)

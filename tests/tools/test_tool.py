@@ -1,4 +1,5 @@
-"""areal_agents.tools.tool: schemas from typed functions, argument validation, sync/async, binding."""
+"""areal_agents.tools.tool: schemas from typed functions, argument validation, sync/async,
+binding."""
 
 from __future__ import annotations
 

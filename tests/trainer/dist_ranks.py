@@ -79,7 +79,7 @@ def warm_start(policy: Any, model: str) -> dict[str, float]:
 
 
 def case_config(name: str, model: str) -> Any:
-    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.config_io import load_config
 
     return load_config(None, [*COMMON, *CASES[name], f"model.path={model}"])
 
@@ -88,7 +88,8 @@ def train_steps(policy: Any, critic: Any, episodes: list, cfg: Any, steps: range
     """``train_on_batch`` on the same episodes for ``steps``; each step's loss and norms, and
     sums over the ``train_tokens`` rows its records give (on ranks: gathered by rank 0)."""
     from areal_agents.trainer.batch import build_batch, train_token_rows
-    from areal_agents.trainer.loop import _algorithm, train_on_batch
+    from areal_agents.trainer.loop import _algorithm
+    from areal_agents.trainer.step import train_on_batch
 
     spec = _algorithm(cfg)
     out = []

@@ -12,7 +12,7 @@ import pytest
 
 from areal_agents import envs
 from areal_agents.envs.base import AgentEnv
-from areal_agents.trainer.config import load_config
+from areal_agents.trainer.config_io import load_config
 
 INSTRUCTIONS = "You answer in a few words."
 

@@ -11,17 +11,9 @@ import pytest
 import yaml
 
 from areal_agents.errors import ConfigError
-from areal_agents.trainer.config import (
-    EnvConfig,
-    LoraConfig,
-    LossConfig,
-    RolloutConfig,
-    TrainConfig,
-    dump_yaml,
-    format_config,
-    load_config,
-    to_dict,
-)
+from areal_agents.trainer.config import LoraConfig, LossConfig, TrainConfig
+from areal_agents.trainer.config_io import dump_yaml, format_config, load_config, to_dict
+from areal_agents.trainer.config_rollout import EnvConfig, RolloutConfig
 
 FULL_YAML = """\
 env:
@@ -480,7 +472,7 @@ def test_format_config_shows_the_changes() -> None:
 
 def test_config_loading_does_not_import_torch() -> None:
     code = (
-        "import sys; from areal_agents.trainer.config import load_config; "
+        "import sys; from areal_agents.trainer.config_io import load_config; "
         "load_config(None, ['env.id=x']); print('torch' in sys.modules)"
     )
     root = Path(__file__).resolve().parents[2]

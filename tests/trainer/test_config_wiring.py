@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from areal_agents.errors import ConfigError
-from areal_agents.trainer.config import load_config
+from areal_agents.trainer.config_io import load_config
 
 
 def _overrides(tiny_model_dir: Path, out: Path, *extra: str) -> list[str]:
@@ -34,7 +34,7 @@ def _overrides(tiny_model_dir: Path, out: Path, *extra: str) -> list[str]:
 def test_max_context_reaches_the_engine_and_the_proxy_refuses_longer_prompts(
     tiny_model_dir, tmp_path
 ):
-    from areal_agents.serve.proxy import ApiError
+    from areal_agents.serve.api_error import ApiError
     from areal_agents.trainer.loop import Trainer
 
     cfg = load_config(None, _overrides(tiny_model_dir, tmp_path / "run", "model.max_context=64"))

@@ -13,7 +13,7 @@ import pytest
 from areal_agents import envs
 from areal_agents.envs.base import AgentEnv
 from areal_agents.errors import ConfigError
-from areal_agents.trainer.config import load_config
+from areal_agents.trainer.config_io import load_config
 from areal_agents.trainer.heldout import HeldOut
 from areal_agents.trainer.loop import Trainer
 

@@ -1,7 +1,7 @@
-"""The judge (``rewards.judge``, :mod:`areal_agents.trainer.judge`): scores read from replies, the rubric's
-weighted mean and the reward combination against hand-computed values, ranking mapped back
-through the shuffle, the cache (memory and JSONL), timeouts and unreadable replies ending as
-``judge_error``, and the run's own proxy as judge (non-trained sessions of group
+"""The judge (``rewards.judge``, :mod:`areal_agents.trainer.judge`): scores read from replies,
+the rubric's weighted mean and the reward combination against hand-computed values, ranking
+mapped back through the shuffle, the cache (memory and JSONL), timeouts and unreadable replies
+ending as ``judge_error``, and the run's own proxy as judge (non-trained sessions of group
 ``judge-*``). The HTTP judge is a real FastAPI app on loopback that scores deterministically.
 """
 
@@ -23,7 +23,8 @@ from fastapi import FastAPI, Request
 
 from areal_agents.errors import ConfigError
 from areal_agents.rollout.runner import EpisodeResult
-from areal_agents.trainer.config import RewardsConfig, load_config
+from areal_agents.trainer.config_io import load_config
+from areal_agents.trainer.config_rollout import RewardsConfig
 from areal_agents.trainer.judge import (
     Criterion,
     HttpBackend,

@@ -26,12 +26,13 @@ from areal_agents.trainer.batch import (
     split_batch,
 )
 from areal_agents.trainer.checkpoint import RunState
-from areal_agents.trainer.config import load_config
+from areal_agents.trainer.config_io import load_config
 from areal_agents.trainer.critic import Critic
-from areal_agents.trainer.loop import Trainer, _algorithm, out_of_time_budget, policy_updates
+from areal_agents.trainer.loop import Trainer, _algorithm, out_of_time_budget
 from areal_agents.trainer.policy import Policy, pack
 from areal_agents.trainer.rollout import GroupSource, SourceSettings
 from areal_agents.trainer.staleness import StalenessGate
+from areal_agents.trainer.step import policy_updates
 from areal_agents.trajectory import Completion, Episode
 
 

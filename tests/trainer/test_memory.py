@@ -10,7 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from areal_agents.trainer.config import load_config
+from areal_agents.trainer.config_io import load_config
 from areal_agents.trainer.memory import MemoryEstimate, estimate_for_config, estimate_memory
 
 F32 = 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from areal_agents.errors import ConfigError
-from areal_agents.trainer.config import load_config
+from areal_agents.trainer.config_io import load_config
 from areal_agents.trainer.loop import lr_schedule
 from areal_agents.trainer.policy import Policy
 from areal_agents.trainer.schedule import LrSchedule

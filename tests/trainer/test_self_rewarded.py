@@ -19,8 +19,9 @@ from areal_agents import ChatTokenizer, FakeEngine, Proxy
 from areal_agents.client import TaskGone, TrainerSessions, WorkerError
 from areal_agents.serve.server import LoopServer
 from areal_agents.trainer.checkpoint import RunState
-from areal_agents.trainer.config import load_config
-from areal_agents.trainer.rollout import SessionSource, SourceSettings
+from areal_agents.trainer.config_io import load_config
+from areal_agents.trainer.rollout import SourceSettings
+from areal_agents.trainer.session_source import SessionSource
 
 G, B, TOKEN = 3, 2, "wk-test"
 

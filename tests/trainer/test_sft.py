@@ -52,7 +52,7 @@ def test_demo_file_errors_name_the_line(tmp_path):
 
 
 def test_sft_config_needs_demos_or_generate():
-    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.config_io import load_config
 
     with pytest.raises(ConfigError, match=r"sft\.demos.*sft\.generate"):
         load_config(None, ["env.id=areal/Calculator-v0", "sft.enabled=true"])
@@ -75,7 +75,7 @@ def test_generated_warm_start_is_checkpointed_as_step_0_and_not_redone(tiny_mode
     import asyncio
     import json
 
-    from areal_agents.trainer.config import load_config
+    from areal_agents.trainer.config_io import load_config
     from areal_agents.trainer.loop import Trainer
 
     class Counting(Trainer):

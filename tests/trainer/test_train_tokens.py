@@ -20,12 +20,13 @@ from areal_agents.serve.store import EpisodeStore
 from areal_agents.trainer import batch as batch_module
 from areal_agents.trainer.algorithms import get_algorithm
 from areal_agents.trainer.batch import RECORDED, Batch, build_batch, make_loss_fn, train_token_rows
-from areal_agents.trainer.config import load_config
+from areal_agents.trainer.config_io import load_config
 from areal_agents.trainer.critic import Critic
 from areal_agents.trainer.distributed import DistributedPolicy, _run
-from areal_agents.trainer.loop import _algorithm, policy_updates, train_on_batch
+from areal_agents.trainer.loop import _algorithm
 from areal_agents.trainer.loss import LossSpec, policy_loss
 from areal_agents.trainer.policy import Policy
+from areal_agents.trainer.step import policy_updates, train_on_batch
 from areal_agents.trajectory import Completion, Episode
 
 # ----------------------------------------------------------------------------- the formula

@@ -22,7 +22,8 @@ from areal_agents.trainer.advantage import (
 )
 from areal_agents.trainer.algorithms import AlgorithmSpec, Estimator, get_algorithm
 from areal_agents.trainer.batch import add_gae, build_batch, make_value_loss_fn
-from areal_agents.trainer.config import AdvantageConfig, load_config
+from areal_agents.trainer.config import AdvantageConfig
+from areal_agents.trainer.config_io import load_config
 from areal_agents.trajectory import Completion, Episode
 
 S2, S3 = math.sqrt(2), math.sqrt(3)
@@ -494,8 +495,9 @@ def _two_turn_group(policy: Any) -> list[Episode]:
 
 def test_both_estimators_train_a_step_of_real_models(tiny_model_dir: Path):
     from areal_agents.trainer.critic import Critic
-    from areal_agents.trainer.loop import _algorithm, train_on_batch
+    from areal_agents.trainer.loop import _algorithm
     from areal_agents.trainer.policy import Policy
+    from areal_agents.trainer.step import train_on_batch
 
     policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
     critic = Critic(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-3)

@@ -1,1 +1,1 @@
-"""Alembic migrations of the episode store (``areal_agents.serve.store``)."""
+"""Alembic migrations of the episode store (its tables: ``areal_agents.serve.store_schema``)."""

@@ -1,7 +1,7 @@
 """Train-time token records, full-text search over the messages, indexes for browsing.
 
 * ``train_tokens``: one row per (completion, training step) the trainer trained, with the
-  per-token values of its loss (see ``areal_agents.serve.store``).
+  per-token values of its loss (see ``areal_agents.serve.store_schema``).
 * Search: on SQLite, a contentless FTS5 table ``completions_fts`` keyed by the completions'
   rowid, filled by a trigger on every new completion with the decoded text of its new
   request messages and its reply (content strings, text parts, tool-call names and
