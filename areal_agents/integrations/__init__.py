@@ -1,7 +1,9 @@
 """Existing agent frameworks, pointed at the recording proxy without changing the agent.
 
 Each submodule adapts one framework and imports it only inside its functions, so importing
-``areal_agents`` (or this package) never needs the framework installed:
+``areal_agents`` (or this package) never needs the framework installed; this package imports
+neither submodule, so using one never loads the other (a worker that runs an Agents SDK agent
+loads no chat tokenizer):
 
 - :mod:`areal_agents.integrations.openai_agents`: the OpenAI Agents SDK (``openai-agents``):
   :func:`~areal_agents.integrations.openai_agents.session_model`,
@@ -16,9 +18,3 @@ The two frameworks pin incompatible pydantic versions, so each runs in its own v
 environment (``requirements/make_venv.sh NAME DIR`` builds one from
 ``requirements/NAME.txt``).
 """
-
-from __future__ import annotations
-
-from areal_agents.integrations import camel, openai_agents
-
-__all__ = ["camel", "openai_agents"]

@@ -72,44 +72,59 @@ def package_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-PLANTS = {
+# contract id -> (new module, its text, an existing module that will import it, or None)
+PLANTS: dict[str, list[tuple[str, str, str | None]]] = {
     # a room importing a higher one: the engines must not know the rollout
-    "layers": ("areal_agents/engines/_planted.py", "import areal_agents.rollout.runner\n"),
-    # two sibling modules importing each other (inside functions: still a cycle)
-    "acyclic": (
-        "areal_agents/serve/_planted_a.py",
-        "def f():\n    import areal_agents.serve._planted_b\n",
-        "areal_agents/serve/_planted_b.py",
-        "import areal_agents.serve._planted_a\n",
-    ),
-    "torch-free": ("areal_agents/tools/_planted.py", "import torch\n"),
-    "light-client": ("areal_agents/_planted_client_dep.py", "import fastapi\n"),
+    "layers": [("engines/_planted.py", "import areal_agents.rollout.runner\n", None)],
+    # two sibling modules importing each other (inside a function: still a cycle)
+    "acyclic": [
+        ("serve/_planted_a.py", "def f():\n    import areal_agents.serve._planted_b\n", None),
+        ("serve/_planted_b.py", "import areal_agents.serve._planted_a\n", None),
+    ],
+    "torch-free": [("tools/_planted.py", "import torch\n", None)],
+    "light-client": [("_planted_client_dep.py", "import fastapi\n", "client.py")],
+    "light-worker": [("cli/_planted_worker_dep.py", "import jinja2\n", "cli/worker.py")],
 }
+
+
+def _module_name(rel: str) -> str:
+    return "areal_agents." + rel.removesuffix(".py").replace("/", ".")
+
+
+def test_every_contract_has_a_plant() -> None:
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert {c["id"] for c in contracts["contracts"]} == set(PLANTS)
 
 
 @pytest.mark.parametrize("contract", sorted(PLANTS))
 def test_a_planted_violation_is_refused(package_copy: Path, contract: str) -> None:
-    plant = PLANTS[contract]
-    planted = [package_copy / rel for rel in plant[::2]]
-    client = package_copy / "areal_agents" / "client.py"
-    original_client = client.read_text()
+    package = package_copy / "areal_agents"
+    planted, touched = [], {}
     try:
-        for path, text in zip(planted, plant[1::2], strict=True):
-            path.write_text(text)
-        if contract == "light-client":
-            client.write_text(original_client + "\nimport areal_agents._planted_client_dep\n")
+        for rel, text, importer in PLANTS[contract]:
+            planted.append(package / rel)
+            (package / rel).write_text(text)
+            if importer is not None:
+                touched[package / importer] = (package / importer).read_text()
+                line = f"\nimport {_module_name(rel)}\n"
+                (package / importer).write_text(touched[package / importer] + line)
         done = lint_imports(package_copy)
     finally:
         for path in planted:
             path.unlink(missing_ok=True)
-        client.write_text(original_client)
+        for path, text in touched.items():
+            path.write_text(text)
     assert done.returncode != 0, done.stdout
-    # the planted contract breaks (an upward import between rooms is also a cycle between
-    # the rooms, so the layers plant breaks both), and the report names the planted import
+    # the planted contract breaks, and the report names the planted import; an upward import
+    # between rooms is also a cycle between the rooms, and the worker command imports the
+    # worker client, so those plants break a second contract
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
     names = {c["id"]: c["name"] for c in contracts["contracts"]}
     broken = set(re.findall(r"^(.+) BROKEN$", done.stdout, flags=re.M))
-    also = {names["acyclic"]} if contract == "layers" else set()
+    also = {
+        names[c]
+        for c in {"layers": ["acyclic"], "light-client": ["light-worker"]}.get(contract, [])
+    }
     assert broken == {names[contract]} | also, done.stdout
     assert "_planted" in done.stdout.split("Broken contracts", 1)[1]
 
