@@ -28,8 +28,46 @@ def test_one_config_per_algorithm():
     assert not [p.name for p in CONFIGS.iterdir() if p.suffix != ".yaml"]
 
 
+_DRY_RUNS = """
+import contextlib, io, json, sys, traceback
+from areal_agents.cli.main import main
+runs = {}
+for path in sys.argv[1:]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["train", "--config", path, "--dry-run"])
+        except SystemExit as exc:  # argparse's errors
+            code = exc.code
+        except Exception:  # what python -m would print before exiting 1
+            traceback.print_exc()
+            code = 1
+    runs[path] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+print(json.dumps(runs))
+"""
+
+
+@pytest.fixture(scope="module")
+def dry_runs() -> dict[str, dict]:
+    """``areal-agent train --config <path> --dry-run`` for every config, one after another in
+    one fresh process (the command line's ``main``, as ``python -m areal_agents.cli.main``
+    runs it): its exit status, stdout and stderr by config path."""
+    import json
+
+    paths = sorted(str(p) for p in CONFIGS.glob("*.yaml"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRY_RUNS, *paths],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("name", sorted(ALGORITHMS) + sorted(VARIANTS))
-def test_config_is_a_short_lora_calculator_run_and_passes_dry_run(name):
+def test_config_is_a_short_lora_calculator_run_and_passes_dry_run(name, dry_runs):
     path = CONFIGS / f"{name}.yaml"
     cfg = load_config(path)
     algorithm = VARIANTS.get(name, name)
@@ -40,20 +78,6 @@ def test_config_is_a_short_lora_calculator_run_and_passes_dry_run(name):
     assert cfg.train.steps <= 20 and cfg.train.output_dir == f"runs/{name}"
     text = path.read_text()
     assert text.startswith("# ") and f"--config examples/agents/algorithms/{name}.yaml" in text
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "areal_agents.cli.main",
-            "train",
-            "--config",
-            str(path),
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    assert f"algorithm: {algorithm}\n" in out.stdout
+    out = dry_runs[str(path)]
+    assert out["returncode"] == 0, out["stderr"]
+    assert f"algorithm: {algorithm}\n" in out["stdout"]

@@ -113,10 +113,10 @@ def _dist_ranks():
 
 
 @pytest.mark.slow
-def test_trainer_ranks_as_ray_actors_take_the_step_one_process_takes(cluster, tiny_model_dir):
+def test_trainer_ranks_as_ray_actors_take_the_step_one_process_takes(cluster, narrow_model_dir):
     """``RayRanks``: 2 actors form their own gloo group by a rendezvous at rank 0's actor;
     GRPO with LoRA and KL and PPO in full, 2 steps each, equal one process to 1e-5 (the
-    weights to ``WEIGHT_TOL``)."""
+    weights to ``WEIGHT_TOL``). On the narrow tiny model, as tests/trainer/test_distributed.py."""
     import torch
 
     from areal_agents.trainer.critic import Critic
@@ -125,7 +125,7 @@ def test_trainer_ranks_as_ray_actors_take_the_step_one_process_takes(cluster, ti
     from areal_agents.trainer.policy import Policy
 
     dr = _dist_ranks()
-    model = str(tiny_model_dir)
+    model = str(narrow_model_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the actors (OMP_NUM_THREADS=1): the same summation order
     torch.manual_seed(0)

@@ -269,11 +269,12 @@ def _episodes(policy: Policy, n_groups: int = 2, size: int = 3) -> list[Episode]
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
-def test_every_algorithm_trains_two_steps(tiny_model_dir, name):
-    policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+def test_every_algorithm_trains_two_steps(narrow_model_dir, name):
+    """Two full fine-tuning steps of each algorithm on the narrow tiny model."""
+    policy = Policy(str(narrow_model_dir), dtype="float32", device="cpu", lr=1e-2)
     critic = None
     if ALGORITHMS[name].needs_critic:
-        critic = Critic(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-3)
+        critic = Critic(str(narrow_model_dir), dtype="float32", device="cpu", lr=1e-3)
         critic_before = {k: v.clone() for k, v in critic.params.items()}
     cfg = load_config(
         None,
@@ -421,18 +422,19 @@ class _Arriving(GroupSource):
 
 @pytest.mark.parametrize(("late", "filled"), [(3, 3), (9, 4), (0, 0)])
 def test_fill_passes_repeat_the_last_batch_only_while_the_next_is_not_in(
-    tiny_model_dir, late, filled
+    narrow_model_dir, late, filled
 ):
     """train.fill_passes=2 after a step of two mini-batches (h0, h1): while the next batch is
     not complete the trainer repeats h0, h1, h0, h1, one update per check, and stops at the
     first check that finds it complete (late=3: three updates) or when the passes are spent
     (late=9: four); a batch already in gets none. The weights are those of the same updates
-    made by hand, and no pass is left for the batch after."""
+    made by hand, and no pass is left for the batch after (the narrow tiny model: full
+    fine-tuning updates of a quarter of the cost)."""
     cfg = load_config(None, [*TWO_MINIBATCHES, "train.fill_passes=2"])
     spec = _algorithm(cfg)
-    policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    policy = Policy(str(narrow_model_dir), dtype="float32", device="cpu", lr=1e-2)
     batch, _ = build_batch(_episodes(policy, n_groups=2), spec, 1.0, 16)
-    manual = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
+    manual = Policy(str(narrow_model_dir), dtype="float32", device="cpu", lr=1e-2)
     halves = split_batch(batch, 2, spec, 16)
     for h in [*halves, *[*halves, *halves][:filled]]:
         manual.train_step(h.seqs, make_loss_fn(h, spec, cfg, 0), 1.0, 64)
@@ -455,10 +457,13 @@ def test_fill_passes_repeat_the_last_batch_only_while_the_next_is_not_in(
         load_config(None, ["env.id=x", "train.fill_passes=-1"])
 
 
-def test_a_synchronous_run_fills_each_wait_with_updates_of_the_last_batch(tiny_model_dir, tmp_path):
+def test_a_synchronous_run_fills_each_wait_with_updates_of_the_last_batch(
+    narrow_model_dir, tmp_path
+):
     """Synchronous (eta=0): when a step's weights are out, the next batch has not started, so
     every step after the first repeats at least one of the last batch's two updates and at
-    most both (fill_passes=1); the optimizer counts them on top of the steps' own."""
+    most both (fill_passes=1); the optimizer counts them on top of the steps' own. On the
+    narrow tiny model."""
     out = tmp_path / "run"
     cfg = load_config(
         None,
@@ -466,7 +471,7 @@ def test_a_synchronous_run_fills_each_wait_with_updates_of_the_last_batch(tiny_m
             *TWO_MINIBATCHES,
             "algorithm=grpo",  # keeps the groups whose rewards are all equal (the tiny model's)
             "env.kwargs={kind: arithmetic}",
-            f"model.path={tiny_model_dir}",
+            f"model.path={narrow_model_dir}",
             "model.dtype=float32",
             "rollout.group_size=2",
             "rollout.batch_size=2",
@@ -629,7 +634,7 @@ def test_lora_sync_ships_adapter_only(tiny_model_dir):
     assert update.state_dict and all("lora_" in k for k in update.state_dict)
 
 
-def _train_cmd(tiny_model_dir: Path, out: Path, steps: int) -> list[str]:
+def _train_cmd(model: Path, out: Path, steps: int) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -638,7 +643,7 @@ def _train_cmd(tiny_model_dir: Path, out: Path, steps: int) -> list[str]:
         "--quiet",
         "env.id=areal/Calculator-v0",
         "env.kwargs={kind: arithmetic}",
-        f"model.path={tiny_model_dir}",
+        f"model.path={model}",
         "model.dtype=float32",
         "rollout.group_size=2",
         "rollout.batch_size=2",
@@ -651,11 +656,12 @@ def _train_cmd(tiny_model_dir: Path, out: Path, steps: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_kill_9_then_resume_loses_and_repeats_no_group(tiny_model_dir, tmp_path):
+def test_kill_9_then_resume_loses_and_repeats_no_group(narrow_model_dir, tmp_path):
+    """On the narrow tiny model: the ledger is the point, not the model."""
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        _train_cmd(tiny_model_dir, out, 4),
+        _train_cmd(narrow_model_dir, out, 4),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -669,7 +675,7 @@ def test_kill_9_then_resume_loses_and_repeats_no_group(tiny_model_dir, tmp_path)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = subprocess.run(
-        [*_train_cmd(tiny_model_dir, out, 4), "--resume"],
+        [*_train_cmd(narrow_model_dir, out, 4), "--resume"],
         env=env,
         capture_output=True,
         text=True,
@@ -768,9 +774,10 @@ def test_eta0_async_loop_equals_a_synchronous_step(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_runs_in_the_loop_and_resumes_its_critic(tiny_model_dir, tmp_path):
+def test_ppo_runs_in_the_loop_and_resumes_its_critic(narrow_model_dir, tmp_path):
     """algorithm=ppo trains through the loop (one episode per group: no group baseline), logs
-    value_loss and explained_variance, and a resumed run continues from the saved critic."""
+    value_loss and explained_variance, and a resumed run continues from the saved critic
+    (on the narrow tiny model: a policy and a critic, each fully fine-tuned)."""
     from areal_agents.trainer.loop import Trainer
 
     class Recording(Trainer):
@@ -789,7 +796,7 @@ def test_ppo_runs_in_the_loop_and_resumes_its_critic(tiny_model_dir, tmp_path):
     overrides = [
         "env.id=areal/Calculator-v0",
         "env.kwargs={kind: arithmetic}",
-        f"model.path={tiny_model_dir}",
+        f"model.path={narrow_model_dir}",
         "model.dtype=float32",
         "algorithm=ppo",
         "rollout.group_size=1",

@@ -88,11 +88,11 @@ def test_a_policy_checkpoint_continues_its_schedule(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_cosine_schedule_drives_the_optimizer_through_the_loop_and_a_resume(
-    tiny_model_dir: Path, tmp_path: Path
+    narrow_model_dir: Path, tmp_path: Path
 ) -> None:
     """optim.schedule=cosine, warmup 1, 3 steps: the rates are lr * [1, 1, 0.5] (k = 0 ends
     the warmup; k = 1, 2 decay with p = 0, 1/2). They are logged as optim/lr, and a run
-    stopped after step 2 and resumed runs step 3 at lr / 2."""
+    stopped after step 2 and resumed runs step 3 at lr / 2. On the narrow tiny model."""
     from areal_agents.trainer.loop import Trainer
 
     seen: list[float] = []
@@ -107,7 +107,7 @@ def test_cosine_schedule_drives_the_optimizer_through_the_loop_and_a_resume(
     overrides = [
         "env.id=areal/Calculator-v0",
         "env.kwargs={kind: arithmetic}",
-        f"model.path={tiny_model_dir}",
+        f"model.path={narrow_model_dir}",
         "model.dtype=float32",
         "rollout.group_size=2",
         "rollout.batch_size=1",
