@@ -155,7 +155,9 @@ def test_function_tools_keep_our_schema_and_report_bad_arguments_as_data():
 
     (tool,) = as_function_tools([function_tool(broken)])
     assert tool(x=1) == "Error: RuntimeError: disk full"
-    with pytest.raises(TypeError, match=r"expected a list of tools\.tool\.Tool, got Tool"):
+    with pytest.raises(
+        TypeError, match=r"expected a list of areal_agents\.tools\.tool\.Tool, got Tool"
+    ):
         as_function_tools(calculator)
 
 
