@@ -5,6 +5,19 @@
 #   benchmarks/gpu_check.sh prepare [DIR]        (beforehand, where .venv and the registry are)
 #   benchmarks/gpu_check.sh train [gpu_train_check.py options] [-- key=value ...]
 #   benchmarks/gpu_check.sh MODEL_DIR [vllm|sglang|both]
+#   benchmarks/gpu_check.sh train-vllm|train-sglang MODEL_DIR [gpu_engine_train_check.py options]
+#
+# train-vllm / train-sglang: `areal-agent train` generating with a launched vLLM / SGLang
+# server on one GPU (benchmarks/gpu_engine_train_check.py: GRPO with LoRA on
+# areal/Calculator-v0, float32, 3 steps; `--full` for full weight updates), then its checks:
+# every metrics row names the backend, 3 of 3 steps, grad norm > 0, mismatch/kl under 1e-4
+# wherever tokens were sampled by the trainer's weights, every token's version within the
+# staleness bound, and (vLLM, LoRA) one adapter load per weight sync in the server's log.
+# It must end with the line
+#   gpu_engine_train_check: PASS (vllm, 3 steps in N s)
+# (FAIL and exit 1 otherwise). Runs with TEST_PYTHON; the server with VLLM_PYTHON /
+# SGLANG_PYTHON (SGLANG_MODULE=areal_agents.testing.fake_sglang and `--device cpu --gpus 0`
+# rehearse it on a CPU). Budget: under 6 minutes per backend.
 #
 # train: benchmarks/gpu_train_check.py on one GPU, under 4 minutes, no network. A model of
 # Qwen3-0.6B's shape (`--shape 1.7b`: Qwen3-1.7B's) with random weights in bfloat16 and the
@@ -101,9 +114,25 @@ train_check() {  # [gpu_train_check.py arguments]
   timeout 240 "$py" benchmarks/gpu_train_check.py "${args[@]}" "$@"
 }
 
+engine_train_check() {  # vllm|sglang MODEL_DIR [options]
+  local backend="$1" model="${2:?usage: $0 train-$1 MODEL_DIR [options]}"
+  shift 2
+  local out server_py module=()
+  out="${GPU_CHECK_OUT:-$(mktemp -d)}"
+  if [ "$backend" = vllm ]; then server_py="${VLLM_PYTHON:-python3}"; else
+    server_py="${SGLANG_PYTHON:-python3}"
+    [ -z "${SGLANG_MODULE:-}" ] || module=(--server-module "$SGLANG_MODULE")
+  fi
+  timeout 420 "${TEST_PYTHON:-.venv/bin/python}" benchmarks/gpu_engine_train_check.py \
+    --backend "$backend" --model "$model" --server-python "$server_py" "${module[@]}" \
+    --out "$out/train-$backend" "$@"
+}
+
 case "${1:-}" in
   prepare) shift; prepare "$@"; exit 0 ;;
   train) shift; train_check "$@"; exit $? ;;
+  train-vllm) shift; engine_train_check vllm "$@"; exit $? ;;
+  train-sglang) shift; engine_train_check sglang "$@"; exit $? ;;
 esac
 
 model="${1:?usage: $0 MODEL_DIR [vllm|sglang|both] | train [options] | prepare [DIR]}"

@@ -61,6 +61,28 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
+@pytest.fixture
+def parity_env() -> str:
+    """Registers ``test/Parity-v0`` and returns its id: one turn; the reward is the reply
+    length's parity, so a group's advantages are not all 0."""
+    from areal_agents import envs
+    from areal_agents.envs.base import AgentEnv
+
+    class Parity(AgentEnv):
+        def _start(self, options):
+            return [{"role": "user", "content": "Say something."}], {"task_id": "parity"}
+
+        def tools(self):
+            return []
+
+        def _respond(self, message):
+            reward = float(len(message.get("content") or "") % 2)
+            return [], reward, True, {"success": reward > 0}
+
+    envs.register("test/Parity-v0", Parity, description="reply length parity", override=True)
+    return "test/Parity-v0"
+
+
 @pytest.fixture(scope="session")
 def narrow_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3 at a quarter of its width (hidden 32), for tests that compare runs of

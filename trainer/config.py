@@ -1,6 +1,8 @@
 """Training configuration: small frozen dataclasses, one per component.
 
-``TrainConfig`` composes ``env``, ``model`` (with ``lora``), ``algorithm``, ``sampling``,
+``TrainConfig`` composes ``env``, ``model`` (with ``lora``), ``engine`` (the inference
+engine: embedded, or vLLM / SGLang servers; :mod:`areal_agents.trainer.config_engine`),
+``algorithm``, ``sampling``,
 ``rollout``, ``context`` (what the proxy does with conversations that outgrow the model's
 context), ``optim``, ``loss``, ``critic`` (PPO's value model), ``advantage`` (the
 estimator, when not the algorithm's own), ``train``, ``sft``,
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from areal_agents.trainer.config_checks import Checked, choice_problem, cores_ok
+from areal_agents.trainer.config_engine import EngineConfig, engine_problems
 from areal_agents.trainer.config_rollout import (
     AgentConfig,
     ContextConfig,
@@ -404,6 +407,8 @@ class TrainConfig(Checked):
     """The environment to train on."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The inference engine that generates the episodes: embedded, or vLLM / SGLang servers."""
     algorithm: str = "grpo"
     """One of ALGORITHMS: how advantages and the loss are configured."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -436,6 +441,12 @@ class TrainConfig(Checked):
     """The worker API of external agents and self-rewarded services (``rollout.agents``)."""
     scheduler: Literal["local", "ray"] = "local"
     """Run every component in this process (local) or spread them over Ray."""
+
+    @property
+    def ray_rollout(self) -> bool:
+        """Whether the episodes run on Ray rollout workers (``scheduler: ray`` with the
+        embedded engine; with servers, Ray holds only the servers)."""
+        return self.scheduler == "ray" and not self.engine.server
 
     def _self_rewarded_problems(self) -> list[str]:
         """``rollout.agents: self_rewarded`` has no env and no task handout: the keys that
@@ -549,12 +560,12 @@ class TrainConfig(Checked):
                 "agent.factory: external agents bring their own code (areal-agent worker "
                 "--agent ...); remove agent.factory or set rollout.agents=local"
             )
-        if agents != "local" and self.scheduler == "ray":
+        if agents != "local" and self.ray_rollout:
             out.append(
                 f"rollout.agents: {agents} workers connect to this process's worker API; "
                 "use scheduler=local with them (the workers themselves may run anywhere)"
             )
-        elsewhere = agents in ("external", "self_rewarded") or self.scheduler == "ray"
+        elsewhere = agents in ("external", "self_rewarded") or self.ray_rollout
         if self.eval.episodes and elsewhere:
             out.append(
                 "eval.episodes: the held-out evaluation runs episodes in this process (the "
@@ -567,19 +578,9 @@ class TrainConfig(Checked):
                 "train.cpus: pins this one trainer process, not the ranks that "
                 f"train.nproc={self.train.nproc} starts; remove train.cpus or set train.nproc=1"
             )
-        if self.rollout.engine_cpus is not None and self.scheduler != "ray":
-            out.append(
-                "rollout.engine_cpus: pins the engine's own process, which only "
-                "scheduler=ray starts (with scheduler=local the engine shares this process: "
-                "pin it with train.cpus); set scheduler=ray or remove rollout.engine_cpus"
-            )
-        if self.rollout.idle_engine_cpus is not None and self.scheduler != "ray":
-            out.append(
-                "rollout.idle_engine_cpus: starts a second engine process, which only "
-                "scheduler=ray does; set scheduler=ray or remove rollout.idle_engine_cpus"
-            )
+        out.extend(engine_problems(self))
         judge = self.rewards.judge
-        if judge.mode != "none" and judge.base_url is None and self.scheduler == "ray":
+        if judge.mode != "none" and judge.base_url is None and self.ray_rollout:
             out.append(
                 "rewards.judge.base_url: with scheduler=ray the proxy is not in this "
                 "process; give the judge's OpenAI-compatible URL (e.g. a served model)"
@@ -607,7 +608,7 @@ class TrainConfig(Checked):
         c, ctx = self.context, self.model.max_context
         if c.policy == "fail":
             return out
-        if self.scheduler == "ray":
+        if self.ray_rollout:
             out.append(
                 f"context.policy: {c.policy} is applied by the trainer's own proxy, and with "
                 "scheduler=ray the rollout workers' proxies apply none; use scheduler=local "

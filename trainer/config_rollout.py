@@ -131,14 +131,15 @@ class RolloutConfig(Checked):
     kv_on_update: Literal["recompute", "keep"] = "recompute"
     """What a weight update does with the engine's requests in flight (asynchronous runs):
     ``recompute`` drops their KV caches and re-prefills each with the new weights; ``keep``
-    lets them decode on from their caches (keys and values the old weights computed), with
-    no re-prefill. Either way later tokens are sampled by the new weights and carry the new
-    version and the logprobs they were sampled with."""
+    (embedded engine only) lets them decode on from their caches (keys and values the old
+    weights computed), with no re-prefill. Either way later tokens are sampled by the new
+    weights and carry the new version and the logprobs they were sampled with."""
     engine_cpus: tuple[int, ...] | None = None
-    """CPU cores the engine actor runs on, with that many torch threads (``scheduler: ray``
-    only: the engine is then a process of its own); None = wherever Ray puts it. Beside
-    ``train.cpus`` on other cores, a disaggregated layout: inference and training never
-    take turns on a core."""
+    """CPU cores the engine's own process runs on: the embedded engine's actor with
+    ``scheduler: ray`` (that many torch threads), or the servers ``engine.launch`` starts
+    (split evenly between them; vLLM's CPU build binds its threads there). None = wherever
+    the OS (or Ray) puts it. Beside ``train.cpus`` on other cores, a disaggregated layout:
+    inference and training never take turns on a core."""
     idle_engine_cpus: tuple[int, ...] | None = None
     """A second engine replica on these cores (``scheduler: ray``) at the lowest CPU
     priority Linux has (``SCHED_IDLE``): it computes only while nothing else there wants

@@ -82,6 +82,7 @@ from areal_agents.trainer.config import LossConfig, TrainConfig
 from areal_agents.trainer.config_io import dump_yaml
 from areal_agents.trainer.critic import Critic
 from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy, RayRanks, launch
+from areal_agents.trainer.engine_build import check_lora_targets, first_sync
 from areal_agents.trainer.heldout import HeldOut
 from areal_agents.trainer.metrics import MetricsWriter
 from areal_agents.trainer.policy import Policy
@@ -107,6 +108,10 @@ ENGINE_COUNTERS = (
     "decode_steps",
     "cascade_steps",
     "output_tokens",
+    "interruptions",
+    "restarts",
+    "requests",
+    "updates",
 )
 
 
@@ -169,6 +174,8 @@ class Trainer:
             quiet=self.quiet,
         )
         self.engine, self.source = rollout.engine, rollout.source
+        if isinstance(self.policy, Policy):  # trainer ranks hold theirs elsewhere
+            check_lora_targets(self.policy.model, cfg)
         if cfg.train.cpus is not None and cfg.scheduler != "ray":
             pin_to_cpus(cfg.train.cpus, "train.cpus")
         self._lane_cores = spans.pinned_lane_cores(
@@ -212,7 +219,9 @@ class Trainer:
             with spans.span("trainer", "warm_start"):
                 await asyncio.to_thread(self._warm_start)
             self._checkpoint()  # step 0: the warm-started model; a resume skips the warm start
-        await self.engine.update_weights(self.policy.weight_update(self.state.step))
+        await first_sync(
+            self.cfg, self.engine, self.policy.weight_update(self.state.step), self.out
+        )
         if not resumed:
             await self._evaluate("warm_start" if self.cfg.sft.enabled else "base")
         await self._engine_counters()  # the start of the first step's engine rates
@@ -340,7 +349,13 @@ class Trainer:
 
     def _metrics(self) -> MetricsWriter:
         m = self.cfg.metrics
-        return MetricsWriter(self.out, jsonl=m.jsonl, tensorboard=m.tensorboard, wandb=m.wandb)
+        return MetricsWriter(
+            self.out,
+            jsonl=m.jsonl,
+            tensorboard=m.tensorboard,
+            wandb=m.wandb,
+            tags={"engine": self.cfg.engine.backend},
+        )
 
     def _progress_bar(self) -> Any:
         return tqdm(
@@ -411,7 +426,8 @@ class Trainer:
             done += 1
         t_fill = time.perf_counter() - t0
         self._fills = []  # the next batch is in: its own updates replace these
-        groups = await self.source.next_batch(n)
+        engine = getattr(self, "engine", None)  # None: a test's trainer without one
+        groups = await _unless_engine_fails(self.source.next_batch(n), engine)
         return groups, {"fill_updates": float(done), "fill_s": t_fill}
 
     async def _publish(
@@ -555,6 +571,24 @@ class Trainer:
                 out["engine/decode_rows_mean"] = (tokens - tokens0) / (steps - steps0)
         self._engine_last = (now, tokens, steps)
         return out
+
+
+async def _unless_engine_fails(wait: Any, engine: Any, poll_s: float = 1.0) -> Any:
+    """Await ``wait`` unless the engine gives up first (a server that died more often than
+    ``engine.launch.max_restarts``): then its error ends the run instead of a wait for
+    episodes that can no longer come."""
+    task = asyncio.ensure_future(wait)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            failure = getattr(engine, "failure", None)
+            if failure is not None:
+                raise failure
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def model_kwargs(

@@ -20,8 +20,11 @@ class MetricsWriter:
         tensorboard: bool = True,
         wandb: bool = False,
         config: dict[str, Any] | None = None,
+        tags: dict[str, str] | None = None,
     ) -> None:
+        """``tags``: strings written into every JSONL row (e.g. ``{"engine": "vllm"}``)."""
         self.dir = Path(out_dir)
+        self.tags = dict(tags or {})
         self.dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (self.dir / "metrics.jsonl").open("a") if jsonl else None
         self._tb: Any = None
@@ -47,7 +50,7 @@ class MetricsWriter:
         self, step: int, scalars: dict[str, float], histograms: dict[str, list[float]] | None = None
     ) -> None:
         if self._jsonl is not None:
-            row: dict[str, Any] = {"step": step, **scalars}
+            row: dict[str, Any] = {"step": step, **self.tags, **scalars}
             if histograms:
                 row["histograms"] = {k: _counts(v) for k, v in histograms.items()}
             self._jsonl.write(json.dumps(row) + "\n")

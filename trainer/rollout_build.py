@@ -1,7 +1,8 @@
 """Building a run's rollout side from its config: the engine and the group source.
 
 :func:`build_rollout` checks the env (and the agent factory) first, then builds the engine
-(in this process, or Ray actors with ``scheduler: ray``), the recording proxy, the episode
+(:mod:`areal_agents.trainer.engine_build`: embedded in this process, inference servers, or
+Ray actors with ``scheduler: ray``), the recording proxy, the episode
 store, the judge and the HTTP server where agents need one, and picks the source
 (:mod:`areal_agents.trainer.rollout`, :mod:`areal_agents.trainer.session_source`).
 ``workers.json`` in the run directory keeps the worker API's port and token across resumes.
@@ -18,7 +19,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from areal_agents.engines.embedded import EmbeddedEngine
 from areal_agents.engines.launch import free_port
 from areal_agents.envs.registry import make, probe
 from areal_agents.errors import ConfigError
@@ -32,6 +32,7 @@ from areal_agents.serve.server import LoopServer
 from areal_agents.serve.store import EpisodeStore
 from areal_agents.trainer.checkpoint import RunState
 from areal_agents.trainer.config import TrainConfig
+from areal_agents.trainer.engine_build import build_engine
 from areal_agents.trainer.judge import make_judge
 from areal_agents.trainer.rollout import (
     AgentSource,
@@ -96,22 +97,19 @@ def build_rollout(
         "sampling": _sampling(cfg),
         "sampling_by_kind": {k: dict(v) for k, v in cfg.sampling.by_kind.items()},
     }
-    if cfg.scheduler == "ray":
+    if cfg.ray_rollout:
         engine, runner = _ray_rollout(cfg, model_path, runner_kwargs)
         ray_source = RaySource(settings, state, runner, make_env, agent)
         ray_source.judge = make_judge(cfg.rewards, None, out)  # over rewards.judge.base_url
         return Rollout(engine, ray_source)
 
-    device = default_device(cfg.model.device)
-    engine = EmbeddedEngine.from_pretrained(
-        model_path,
-        dtype=resolve_dtype(cfg.model.dtype, device),
-        device=cfg.model.device,
-        decode=tokenizer.decode,
-        max_batch_size=max(cfg.rollout.concurrency, 1),
-        max_context=cfg.model.max_context,  # the proxy refuses longer prompts (400)
+    engine = build_engine(
+        cfg,
+        model_path=model_path,
+        tokenizer=tokenizer,
         compute_lock=compute_lock,
-        kv_on_update=cfg.rollout.kv_on_update,
+        out=out,
+        quiet=quiet,
     )
     external = cfg.rollout.agents == "external"
     store = EpisodeStore(out / "episodes.db")  # every episode of the run, for inspection

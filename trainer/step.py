@@ -7,6 +7,12 @@ critic's values and GAE (PPO), the policy's updates over the mini-batches and ep
 inputs, kept to run again while the next batch is not in (``train.fill_passes``,
 :func:`apply_update`). :func:`record_train_tokens` queues the step's per-token records in the
 run's episode store.
+
+Every step also measures the training-inference mismatch (:mod:`areal_agents.trainer.mismatch`)
+on its fresh tokens, those sampled by the weights the trainer holds (version ``version``): the
+engine's logprob against the trainer's own, ``batch.prox`` with ``loss.proximal=recompute``
+(already computed), else one more forward pass over the samples that have a fresh token
+(none: no pass). Its ``mismatch/*`` metrics go into ``bstats``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from areal_agents.trainer.batch import (
     train_token_rows,
 )
 from areal_agents.trainer.config import TrainConfig
+from areal_agents.trainer.mismatch import mismatch_stats
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +66,14 @@ def train_on_batch(
     """One training step on ``batch``: the proximal logprobs (``loss.proximal=recompute``),
     the reference logprobs (a KL penalty), the critic's values and GAE (PPO), the policy's
     updates (:func:`policy_updates`), then the critic's. Returns their summed stats;
-    ``bstats`` gets the GAE metrics and the value loss. ``records`` (a list) gets the
-    per-token record of every sample, ``keep`` (a list) the updates (see
-    :func:`policy_updates`)."""
+    ``bstats`` gets the training-inference mismatch (:func:`measure_mismatch`), the GAE
+    metrics and the value loss. ``records`` (a list) gets the per-token record of every
+    sample, ``keep`` (a list) the updates (see :func:`policy_updates`)."""
     temp = batch.temps  # each token at the temperature it was sampled with
     mbt = cfg.train.micro_batch_tokens
     if cfg.loss.proximal == "recompute":
         batch.prox = policy.logprobs(batch.seqs, temp, mbt, batch.mask)
+    bstats.update(measure_mismatch(policy, batch, spec, cfg, version))
     if spec.loss.kl_coef > 0:
         batch.ref = policy.ref_logprobs(batch.seqs, temp, mbt, batch.mask)
     if critic is not None:
@@ -77,6 +85,32 @@ def train_on_batch(
         bstats["value_loss"] = vstats["value_loss"]
         critic.step_schedule()
     return stats
+
+
+def measure_mismatch(
+    policy: Any, batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int
+) -> dict[str, float]:
+    """The ``mismatch/*`` metrics of ``batch`` before any update (see
+    :mod:`areal_agents.trainer.mismatch`): its tokens of version ``version`` are fresh. The
+    trainer's logprobs are ``batch.prox`` when recomputed; otherwise a forward pass of
+    ``policy`` over the samples with a fresh token, none when no sample has one."""
+    fresh = [v == version for v in batch.versions]
+    if cfg.loss.proximal == "recompute":
+        assert batch.prox is not None, "train_on_batch computes batch.prox first"
+        trainer_logp = batch.prox
+    else:
+        idx = [
+            i for i, (f, m) in enumerate(zip(fresh, batch.mask, strict=True)) if (f & (m > 0)).any()
+        ]
+        # A sample without a fresh token keeps the engine's logprobs: they are not read.
+        trainer_logp = list(batch.behav)
+        if idx:
+            sub = batch.select(idx)
+            temps = sub.temps or cfg.sampling.temperature
+            scored = policy.logprobs(sub.seqs, temps, cfg.train.micro_batch_tokens, sub.mask)
+            for i, lp in zip(idx, scored, strict=True):
+                trainer_logp[i] = lp
+    return mismatch_stats(trainer_logp, batch.behav, batch.mask, fresh, spec.loss.behaviour_cap)
 
 
 def policy_updates(

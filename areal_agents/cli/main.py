@@ -150,6 +150,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="trainer ranks (FSDP2 on torch.distributed); the same as train.nproc=N",
     )
+    _add_backend_args(tr, training=True)
 
     dm = sub.add_parser("demos", help="write demonstrations of an env for a warm start (sft)")
     dm.add_argument("--env", required=True, help="an env whose class offers demos()")
@@ -273,14 +274,20 @@ def _agent_args(parser: argparse.ArgumentParser, what: str, *, required: bool = 
 _BACKENDS = ("embedded", "vllm", "sglang")
 
 
-def _add_backend_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("inference backend")
+def _add_backend_args(parser: argparse.ArgumentParser, *, training: bool = False) -> None:
+    """The inference backend's flags: the command-line spelling of a training config's
+    ``engine`` section (``--backend`` engine.backend, ``--engine-url`` engine.urls,
+    ``--engine-python`` engine.launch.python, ``--engine-args`` engine.launch.args). For
+    ``train`` they are overrides of that section (unset: the config's own values)."""
+    group = parser.add_argument_group(
+        "inference backend" + (" (the config's engine section)" if training else "")
+    )
     group.add_argument(
         "--backend",
         choices=_BACKENDS,
-        default="embedded",
-        help="embedded: transformers in this process (default); vllm / sglang: a server "
-        "started here or given by --engine-url",
+        default=None if training else "embedded",
+        help="embedded: transformers in this process (default); vllm / sglang: servers "
+        "started here or given by --engine-url (engine.backend)",
     )
     group.add_argument(
         "--engine-url",
@@ -288,24 +295,31 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="URL",
         help="attach to a running vLLM / SGLang server instead of starting one (repeat for "
-        "several servers; a session's calls stay on one server)",
+        "several servers; a session's calls stay on one server) (engine.urls)",
     )
     group.add_argument(
         "--engine-python",
         default=None,
         help="Python of the server's environment (default: $AREAL_VLLM_PYTHON / "
-        "$AREAL_SGLANG_PYTHON, else .venv-vllm / .venv-sglang)",
+        "$AREAL_SGLANG_PYTHON, else .venv-vllm / .venv-sglang) (engine.launch.python)",
     )
-    group.add_argument("--engine-port", type=int, default=0, help="port of a started server")
     group.add_argument(
-        "--engine-args", default="", help="extra flags for a started server, one quoted string"
+        "--engine-args",
+        default=None if training else "",
+        help="extra flags for a started server, one quoted string (engine.launch.args)",
     )
+    if training:
+        return
+    group.add_argument("--engine-port", type=int, default=0, help="port of a started server")
     group.add_argument("--engine-log", default=None, help="log file of a started server")
     group.add_argument(
         "--engine-timeout", type=float, default=900.0, help="seconds a started server may take"
     )
     group.add_argument(
-        "--lora-rank", type=int, default=16, help="largest LoRA rank a started server accepts"
+        "--lora-rank",
+        type=int,
+        default=16,
+        help="largest LoRA rank a started server accepts (vLLM: rounded up to a rank it takes)",
     )
 
 

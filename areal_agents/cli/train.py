@@ -28,6 +28,7 @@ def train_command(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.nproc is not None:
         overrides.append(f"train.nproc={args.nproc}")
+    overrides += engine_overrides(args)
     cfg = load_config(args.config, overrides)
     if args.dry_run:
         print(format_config(cfg))
@@ -44,6 +45,21 @@ def train_command(args: argparse.Namespace) -> int:
     print(f"final model: {summary.get('final_model')}")
     print(f"run directory: {cfg.train.output_dir} ({view_hint(cfg.train.output_dir)})")
     return 0
+
+
+def engine_overrides(args: argparse.Namespace) -> list[str]:
+    """``--backend``, ``--engine-url``, ``--engine-python``, ``--engine-args`` as overrides
+    of the config's ``engine`` section (before the positional overrides' later ones)."""
+    out = []
+    if args.backend is not None:
+        out.append(f"engine.backend={args.backend}")
+    if args.engine_url:
+        out.append(f"engine.urls={json.dumps(list(args.engine_url))}")
+    if args.engine_python is not None:
+        out.append(f"engine.launch.python={json.dumps(args.engine_python)}")
+    if args.engine_args is not None:
+        out.append(f"engine.launch.args={json.dumps(args.engine_args)}")
+    return out
 
 
 def demos_command(args: argparse.Namespace) -> int:

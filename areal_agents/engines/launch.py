@@ -32,12 +32,32 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 
 from areal_agents.errors import BackendError, UserError
 
 _LIVE: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
+
+
+class Server(Protocol):
+    """What a server engine needs of its server's process: :class:`ServerProcess` here, or
+    ``areal_agents.rollout.ray_servers.RayServer`` on a Ray node."""
+
+    log_path: Any
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def exit_code(self) -> int | None: ...
+
+    def restart(self, timeout_s: float = 600.0) -> None: ...
+
+    def tail(self, lines: int = 40) -> str: ...
+
+    def stop(self, grace_s: float = 20.0) -> None: ...
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -63,11 +83,25 @@ def log_tail(path: str | Path, lines: int = 40) -> str:
 class ServerProcess:
     """A server subprocess in its own process group, with its log in a file."""
 
-    def __init__(self, popen: subprocess.Popen[bytes], url: str, log_path: Path, name: str):
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        url: str,
+        log_path: Path,
+        name: str,
+        argv: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        cpus: Sequence[int] | None = None,
+    ):
         self.popen = popen
         self.url = url.rstrip("/")
         self.log_path = log_path
         self.name = name
+        self.argv = list(argv)
+        self.env = dict(env or {})
+        self.cpus = list(cpus) if cpus else None
+        self.starts = 1
+        """How many times the process was started (1 + restarts)."""
         _LIVE.add(self)
 
     @classmethod
@@ -80,12 +114,14 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
         timeout_s: float = 600.0,
         name: str = "server",
+        cpus: Sequence[int] | None = None,
     ) -> ServerProcess:
         """Run ``argv`` and wait until ``url``/health answers 200.
 
-        ``env`` entries are added to this process's environment. Raises
-        :class:`BackendError` (with the log tail) when the process exits or does not become
-        healthy within ``timeout_s``; the process group is stopped in both cases.
+        ``env`` entries are added to this process's environment; ``cpus`` restricts the
+        process (and every process it starts) to those cores. Raises :class:`BackendError`
+        (with the log tail) when the process exits or does not become healthy within
+        ``timeout_s``; the process group is stopped in both cases.
         """
         if log_path is None:
             fd, raw = tempfile.mkstemp(prefix=f"areal-{name}-", suffix=".log")
@@ -93,26 +129,30 @@ class ServerProcess:
             log_path = raw
         path = Path(log_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        full_env = {**os.environ, **(env or {})}
-        try:
-            with open(path, "wb") as log:
-                popen = subprocess.Popen(
-                    list(argv),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=full_env,
-                    start_new_session=True,  # its own process group: stop() ends its children
-                )
-        except OSError as exc:
-            raise BackendError(f"cannot start the {name} ({argv[0]}): {exc}") from None
-        server = cls(popen, url, path, name)
+        popen = _spawn(argv, path, env, cpus, name, append=False)
+        server = cls(popen, url, path, name, argv, env, cpus)
         try:
             server._wait_healthy(timeout_s)
         except BaseException:
             server.stop()
             raise
         return server
+
+    def restart(self, timeout_s: float = 600.0) -> None:
+        """Stop the process group (whatever is left of it) and start the same command again,
+        appending to the same log; returns once it is healthy (:class:`BackendError` with
+        the log tail otherwise)."""
+        self.stop(grace_s=5.0)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n--- restarted by areal-agents (start {self.starts + 1}) ---\n".encode())
+        self.popen = _spawn(self.argv, self.log_path, self.env, self.cpus, self.name, append=True)
+        self.starts += 1
+        _LIVE.add(self)
+        try:
+            self._wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -141,24 +181,66 @@ class ServerProcess:
     def running(self) -> bool:
         return self.popen.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        """The process's exit status (None while it runs; negative: killed by that signal)."""
+        return self.popen.poll()
+
     def tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Stop the server and every process it started (SIGTERM, then SIGKILL)."""
         _LIVE.discard(self)
-        if self.popen.poll() is not None:
-            return
-        try:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=grace_s)
-        with contextlib.suppress(ProcessLookupError):  # children that outlived the parent
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            else:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.popen.wait(timeout=grace_s)
+        # Children outlive a leader that was killed (vLLM's engine process holds the port
+        # and the log): the whole group goes, whatever the leader's state.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=5)
+
+
+def _spawn(
+    argv: Sequence[str],
+    log_path: Path,
+    env: Mapping[str, str] | None,
+    cpus: Sequence[int] | None,
+    name: str,
+    *,
+    append: bool,
+) -> subprocess.Popen[bytes]:
+    full_env = {**os.environ, **(env or {})}
+    cores = set(cpus) if cpus else None
+
+    def place() -> None:  # in the child, before exec: its children inherit the cores
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+
+    if not append:
+        log_path.write_bytes(b"")
+    try:
+        # append mode for every writer: a child of an earlier start that is still shutting
+        # down must not write over what the new one logs
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                list(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                start_new_session=True,  # its own process group: stop() ends its children
+                preexec_fn=place if cores is not None else None,
+            )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BackendError(f"cannot start the {name} ({argv[0]}): {exc}") from None
 
 
 @atexit.register

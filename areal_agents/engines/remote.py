@@ -25,6 +25,14 @@ weights on its server; :class:`RemoteEngine` turns that into the
   server's message; an unreachable or failing server raises
   :class:`~areal_agents.errors.BackendError`, with the tail of its log when this process
   started it.
+- **Restarts.** A server this process started that dies (``max_restarts`` > 0) is started
+  again with the same command; before it takes requests it gets the current version label
+  and reloads the weights last loaded (the newest directory of the staging area stays for
+  that). Requests in flight when it died fail with ``BackendError`` (their episodes end as
+  ``backend_error``); requests that arrive during the restart wait for it; a weight update
+  that met the dead server is loaded again on the new one. After ``max_restarts`` restarts
+  the next death is final: :attr:`RemoteEngine.failure` holds the error, and every call
+  raises it.
 
 The engine holds no state bound to one event loop: HTTP clients are made per loop, so the
 same engine can serve the proxy's loop and be closed from another.
@@ -46,7 +54,7 @@ from typing import Any, ClassVar, Literal, Self
 
 import httpx
 
-from areal_agents.engines.launch import ServerProcess
+from areal_agents.engines.launch import Server, ServerProcess
 from areal_agents.engines.protocol import FinishReason, GenerateResult, SamplingParams, WeightUpdate
 from areal_agents.engines.weight_files import (
     StagingArea,
@@ -92,16 +100,18 @@ class RemoteEngine:
         model_name: str,
         max_context: int,
         model_dir: str | None = None,
-        server: ServerProcess | None = None,
+        server: Server | None = None,
         decode: DecodeFn | None = None,
         request_timeout_s: float = 3600.0,
         staging_dir: str | None = None,
+        max_restarts: int = 0,
+        restart_timeout_s: float = 900.0,
     ) -> None:
         self.url = url.rstrip("/")
         self.model_name = model_name
         self.max_context = int(max_context)
         self.model_dir = model_dir
-        self.server = server
+        self.server: Server | None = server
         self.decode = decode
         self.request_timeout_s = request_timeout_s
         self._version = 0
@@ -111,11 +121,24 @@ class RemoteEngine:
         # aborted was interrupted by us, and is sent again.
         self._interrupt_epoch = 0
         self._updating = False
+        self._swapping = False  # paused for a weight load: requests wait to be sent
         self._user_paused = False
         self._hold_new = False  # drain mode (servers that cannot pause): new requests wait
         self._in_flight = 0
         self._closed = False
-        self._stats = {"requests": 0, "output_tokens": 0, "interruptions": 0, "updates": 0}
+        self._stats = {
+            "requests": 0,
+            "output_tokens": 0,
+            "interruptions": 0,
+            "updates": 0,
+            "restarts": 0,
+        }
+        self.max_restarts = max_restarts
+        """Restarts of a dead server (one this process started) before the engine gives up."""
+        self.restart_timeout_s = restart_timeout_s
+        self._restart_lock = threading.Lock()
+        self._failure: BackendError | None = None
+        self._loaded: WeightUpdate | None = None  # the files last loaded, for a restart
         self.vocab_size = _vocab_size(model_dir)
         self._tied = tied_embeddings(model_dir) if model_dir else False
 
@@ -152,11 +175,12 @@ class RemoteEngine:
         name: str,
         model: str,
         decode: DecodeFn | None,
+        cpus: Sequence[int] | None = None,
     ) -> Self:
-        """Start the server process, attach to it with the subclass's ``connect``, and stop
-        the process again when attaching fails."""
+        """Start the server process (on ``cpus``), attach to it with the subclass's
+        ``connect``, and stop the process again when attaching fails."""
         server = ServerProcess.start(
-            argv, url=url, log_path=log_path, env=env, timeout_s=timeout_s, name=name
+            argv, url=url, log_path=log_path, env=env, timeout_s=timeout_s, name=name, cpus=cpus
         )
         try:
             engine: Self = cls.connect(  # type: ignore[attr-defined]
@@ -183,11 +207,20 @@ class RemoteEngine:
         """Generate from ``prompt_ids``; ``route_key`` is ignored (one server)."""
         prompt = self._check_prompt(prompt_ids)
         start = time.perf_counter()
+        await self._wait_restarted()
         while self._hold_new and not self._closed:
             await asyncio.sleep(0.01)
         self._in_flight += 1
         try:
             return await self._generate(prompt, params, start)
+        except BackendError as exc:
+            if not self._server_died():
+                raise
+            await self._recover()
+            raise BackendError(
+                f"the {self.backend} server at {self.url} died while this request ran "
+                f"(restarted, restart {self._stats['restarts']} of {self.max_restarts}): {exc}"
+            ) from None
         finally:
             self._in_flight -= 1
 
@@ -199,6 +232,7 @@ class RemoteEngine:
         finish first.
         """
         self._check_open()
+        await self._wait_restarted()
         while self._updating:  # one update at a time
             await asyncio.sleep(0.01)
         self._updating = True
@@ -206,11 +240,18 @@ class RemoteEngine:
             staged = await asyncio.to_thread(self._stage, update)
             new_version = update.version if update.version is not None else self._version + 1
             try:
-                await self._swapped(lambda: self._load_staged(staged, new_version))
+                try:
+                    await self._swapped(lambda: self._load_staged(staged, new_version))
+                except BackendError:
+                    if not self._server_died():
+                        raise
+                    await self._recover()  # the old weights again, then the new ones
+                    await self._swapped(lambda: self._load_staged(staged, new_version))
             except BaseException:
                 self._staging.discard(staged)
                 raise
             self._staging.commit(staged)
+            self._loaded = staged
             self._version = new_version
             self._stats["updates"] += 1
             return new_version
@@ -235,11 +276,19 @@ class RemoteEngine:
         else:
             self._hold_new = False
 
+    @property
+    def failure(self) -> BackendError | None:
+        """The error that ended this engine: its server died more than ``max_restarts``
+        times (None while it works)."""
+        return self._failure
+
     async def health(self) -> dict[str, Any]:
         status = "paused" if self._user_paused else "ok"
         detail: dict[str, Any] = {}
         if self._closed:
             status = "closed"
+        elif self._failure is not None:
+            status, detail["error"] = "error", str(self._failure)
         elif self.server is not None and not self.server.running:
             status, detail["error"] = "error", f"the server exited; log: {self.server.log_path}"
         else:
@@ -274,6 +323,58 @@ class RemoteEngine:
             await asyncio.to_thread(self.server.stop)
         self._staging.close()
 
+    # ------------------------------------------------------------------ restarts
+    def _server_died(self) -> bool:
+        return self.server is not None and not self.server.running and not self._closed
+
+    async def _wait_restarted(self) -> None:
+        while self._restart_lock.locked() and not self._closed:
+            await asyncio.sleep(0.05)
+        if self._failure is not None:
+            raise self._failure
+
+    async def _recover(self) -> None:
+        """Restart the dead server, give it the version label and the weights last loaded;
+        when another caller is already doing so, wait for it. Raises :attr:`failure` once
+        ``max_restarts`` is spent."""
+        if not self._restart_lock.acquire(blocking=False):
+            await self._wait_restarted()
+            return
+        try:
+            if not self._server_died():
+                return  # restarted by an earlier caller
+            assert self.server is not None
+            code = self.server.exit_code
+            if self._stats["restarts"] >= self.max_restarts:
+                self._failure = BackendError(
+                    f"the {self.backend} server at {self.url} exited (code {code}) after "
+                    f"{self._stats['restarts']} restart(s) (limit: {self.max_restarts}); last "
+                    f"lines of {self.server.log_path}:\n{self.server.tail(20)}"
+                )
+                raise self._failure
+            self._stats["restarts"] += 1
+            log.warning(
+                "the %s server at %s exited (code %s); restarting it (%d of %d)",
+                self.backend, self.url, code, self._stats["restarts"], self.max_restarts,
+            )  # fmt: skip
+            await asyncio.to_thread(self.server.restart, self.restart_timeout_s)
+            if self._loaded is not None:
+                await self._load_staged(self._loaded, self._version)
+            await self._after_restart()
+            if self._user_paused and self.can_pause:
+                await self._pause_server("hold")
+        except BaseException as exc:
+            if self._failure is None and isinstance(exc, Exception):
+                self._failure = BackendError(
+                    f"the {self.backend} server at {self.url} could not be restarted: {exc}"
+                )
+            raise
+        finally:
+            self._restart_lock.release()
+
+    async def _after_restart(self) -> None:
+        """A restarted server's checks and version label (after the weights are back)."""
+
     # ------------------------------------------------------------------ generation
     def _check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
         self._check_open()
@@ -307,6 +408,8 @@ class RemoteEngine:
             if room <= 0:
                 finish, reason = "length", None
                 break
+            while self._swapping and not self._closed:  # see _swapped
+                await asyncio.sleep(0.01)
             epoch, fallback = self._interrupt_epoch, self._version
             seg = await self._submit(prompt + ids, params, room)
             ids += seg.ids
@@ -365,15 +468,24 @@ class RemoteEngine:
     async def _swapped(self, load: Callable[[], Awaitable[None]]) -> None:
         """Run ``load`` (a weight load) with generation stopped: on a server that pauses,
         requests in flight are aborted and resumed on the new weights; otherwise new
-        requests wait and those in flight finish first."""
+        requests wait and those in flight finish first.
+
+        While the server is paused nothing is sent to it (``_swapping``): a server binds a
+        request to the weights it names when the request arrives (vLLM resolves the adapter's
+        directory then), so a request sent during the swap would run on the old weights
+        under the new version's label."""
         if self.can_pause:
             self._interrupt_epoch += 1
-            await self._pause_server("abort")
+            self._swapping = True
             try:
-                await load()
+                await self._pause_server("abort")
+                try:
+                    await load()
+                finally:
+                    if not self._user_paused:
+                        await self._resume_server()
             finally:
-                if not self._user_paused:
-                    await self._resume_server()
+                self._swapping = False
             return
         self._hold_new = True
         try:

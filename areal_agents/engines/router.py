@@ -36,7 +36,13 @@ from areal_agents.errors import UserError
 class RoutedEngine:
     """Replicas of one model as one engine; see the module docstring."""
 
-    def __init__(self, engines: Sequence[Engine], *, max_keys: int = 100_000) -> None:
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        *,
+        max_keys: int = 100_000,
+        staging_dir: str | None = None,
+    ) -> None:
         if not engines:
             raise UserError("RoutedEngine needs at least one engine")
         names = {e.model_name for e in engines}
@@ -53,7 +59,7 @@ class RoutedEngine:
         self._next = 0
         self._version = max(e.version for e in self.engines)
         self._forward_key = [accepts_route_key(e) for e in self.engines]
-        self._staging = StagingArea(prefix="areal-routed-")
+        self._staging = StagingArea(staging_dir, prefix="areal-routed-")
 
     @property
     def version(self) -> int:
@@ -104,6 +110,15 @@ class RoutedEngine:
         self._version = version
         return version
 
+    @property
+    def failure(self) -> Exception | None:
+        """The first replica's error that ended it (a server that died too often), or None."""
+        for e in self.engines:
+            failed = getattr(e, "failure", None)
+            if failed is not None:
+                return failed  # type: ignore[no-any-return]
+        return None
+
     async def pause(self) -> None:
         await asyncio.gather(*[e.pause() for e in self.engines])
 
@@ -114,7 +129,13 @@ class RoutedEngine:
         replicas = await asyncio.gather(*[e.health() for e in self.engines])
         statuses = {r.get("status") for r in replicas}
         status = next((s for s in ("error", "closed", "paused") if s in statuses), "ok")
+        totals = {
+            k: sum(r[k] for r in replicas)
+            for k in ("requests", "output_tokens", "interruptions", "updates", "restarts")
+            if all(isinstance(r.get(k), int | float) for r in replicas)
+        }
         return {
+            **totals,
             "status": status,
             "backend": "routed",
             "model": self.model_name,

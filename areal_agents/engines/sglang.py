@@ -121,6 +121,7 @@ class SGLangEngine(RemoteEngine):
         start_timeout_s: float = 900.0,
         decode: DecodeFn | None = None,
         server_module: str = "sglang.launch_server",
+        cpus: Sequence[int] | None = None,
     ) -> SGLangEngine:
         """Start ``python -m sglang.launch_server`` for ``model`` and connect.
 
@@ -160,6 +161,7 @@ class SGLangEngine(RemoteEngine):
             name="SGLang server",
             model=model,
             decode=decode,
+            cpus=cpus,
         )
 
     @classmethod
@@ -201,6 +203,9 @@ class SGLangEngine(RemoteEngine):
         )
         if set_label:
             await self._set_label(self._version)
+
+    async def _after_restart(self) -> None:
+        await self._setup(True)
 
     # ------------------------------------------------------------------ generation
     async def _submit(

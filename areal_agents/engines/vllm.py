@@ -33,8 +33,11 @@ Endpoints used, and why
     output layer as a layer of its own (a checkpoint without ``lm_head.weight`` leaves it
     with its old values), so every reload carries ``lm_head.weight``: when a checkpoint
     lacks it, a copy of the embedding matrix is added beside links to its files.
-``POST /update_weight_version`` (dev mode)
-    Sets the label that vLLM attaches to the tokens it samples to our integer version.
+``POST /update_weight_version`` and ``POST /reset_prefix_cache`` (dev mode)
+    Sets the label that vLLM attaches to the tokens it samples to our integer version,
+    after every cached block is dropped (see :meth:`VLLMEngine._reset_prefix_cache`):
+    blocks cached from requests aborted at the pause would otherwise give a request sent
+    again the old weights' keys and values under the new version's label.
 ``POST /v1/load_lora_adapter`` (needs ``--enable-lora`` and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``)
     LoRA updates: the engine's adapter (``areal-lora-<id>``, one per engine object) is
@@ -126,19 +129,24 @@ class VLLMEngine(RemoteEngine):
         log_path: str | None = None,
         start_timeout_s: float = 900.0,
         decode: DecodeFn | None = None,
+        cpus: Sequence[int] | None = None,
+        server_module: str = "vllm.entrypoints.openai.api_server",
     ) -> VLLMEngine:
         """Start ``python -m vllm.entrypoints.openai.api_server`` for ``model`` and connect.
 
         ``python``: the interpreter of a vLLM environment (default: :func:`find_python`).
-        ``lora_rank``: the largest LoRA rank to accept (0: no LoRA support). ``env`` adds
-        variables (``VLLM_CPU_KVCACHE_SPACE`` defaults to 2 GiB). The server's output goes
-        to ``log_path`` (a temporary file by default); a failed start shows its last lines.
+        ``lora_rank``: the largest LoRA rank to accept (0: no LoRA support; vLLM takes only
+        the values in ``areal_agents.engines.servers.VLLM_LORA_RANKS``). ``env`` adds
+        variables (``VLLM_CPU_KVCACHE_SPACE`` defaults to 2 GiB); ``cpus``: the cores the
+        server runs on. The server's output goes to ``log_path`` (a temporary file by
+        default); a failed start shows its last lines. ``server_module`` runs another module
+        with the same flags.
         """
         python = find_python(python)
         url = local_url(host, port)
         name = served_model_name or Path(model).name
         argv = [
-            python, "-m", "vllm.entrypoints.openai.api_server",
+            python, "-m", server_module,
             "--model", model,
             "--host", host,
             "--port", url.rsplit(":", 1)[1],
@@ -168,6 +176,7 @@ class VLLMEngine(RemoteEngine):
             name="vLLM server",
             model=model,
             decode=decode,
+            cpus=cpus,
         )
 
     @classmethod
@@ -229,6 +238,9 @@ class VLLMEngine(RemoteEngine):
         )
         if set_label and self.dev_mode:
             await self._set_label(self._version)
+
+    async def _after_restart(self) -> None:
+        await self._setup(True)
 
     # ------------------------------------------------------------------ generation
     async def _submit(
@@ -317,7 +329,25 @@ class VLLMEngine(RemoteEngine):
             await self._set_label(version)
 
     async def _set_label(self, version: int) -> None:
+        await self._reset_prefix_cache()
         await self._request("POST", "/update_weight_version", json={"new_version": str(version)})
+
+    async def _reset_prefix_cache(self, attempts: int = 100) -> None:
+        """Drop every cached block computed with the old weights, before the new version
+        takes requests. ``/pause?clear_cache=true`` alone does not: blocks still held by the
+        requests being aborted then are kept, and a request sent again as prompt + tokens so
+        far would reuse them (keys and values of the old weights; with an adapter reloaded in
+        place the cache key is the same). vLLM refuses the reset while blocks are held, so it
+        is retried until it succeeds."""
+        for _ in range(attempts):
+            done = await self._request("POST", "/reset_prefix_cache")
+            if not isinstance(done, dict) or done.get("success", True):
+                return
+            await asyncio.sleep(0.05)
+        raise BackendError(
+            f"the vLLM server at {self.url} kept refusing to reset its prefix cache after a "
+            "weight update; the new version would reuse keys and values of the old weights"
+        )
 
 
 # ---------------------------------------------------------------------- helpers

@@ -145,19 +145,29 @@ def _save_safetensors(state_dict: Any, path: Path) -> None:
 
 
 class StagingArea:
-    """A directory of staged updates that keeps, per kind, only the newest committed one.
+    """A directory of staged updates that keeps, per kind, only the newest committed ones.
 
-    A server may read the current weights directory again later (vLLM re-reads an adapter
-    from its path after a full update), so the newest ``full`` and ``lora`` directories
-    stay until a newer one of the same kind is committed or the area is closed.
+    A server may read a weights directory again after it was loaded: vLLM re-reads an
+    adapter from its path after a full update, and a request that reached the server before
+    an in-place adapter reload may make a worker load the adapter it named, from its
+    directory, after the reload. So the newest ``keep["lora"]`` adapter directories (3 by
+    default: the current one and two before it) and the newest ``keep["full"]`` full-weight
+    directories (1: they are large) stay until newer ones of the same kind are committed or
+    the area is closed.
     """
 
-    def __init__(self, root: str | Path | None = None, prefix: str = "areal-weights-") -> None:
+    def __init__(
+        self,
+        root: str | Path | None = None,
+        prefix: str = "areal-weights-",
+        keep: dict[str, int] | None = None,
+    ) -> None:
         self._root = Path(root) if root else None
         self._prefix = prefix
         self._owns_root = root is None
+        self._keep = {"lora": 3, "full": 1, **(keep or {})}
         self._pending: list[tuple[str, Path]] = []
-        self._current: dict[str, Path] = {}
+        self._current: dict[str, list[Path]] = {}
 
     @property
     def root(self) -> Path:
@@ -176,15 +186,16 @@ class StagingArea:
         return staged
 
     def commit(self, staged: WeightUpdate) -> None:
-        """``staged`` was loaded: it becomes current; the one it replaces is deleted."""
+        """``staged`` was loaded: it becomes current; the oldest of its kind beyond what is
+        kept are deleted."""
         path = Path(str(staged.path))
         for kind, p in list(self._pending):
             if p == path:
                 self._pending.remove((kind, p))
-                old = self._current.get(kind)
-                if old is not None and old != path:
+                kept = [old for old in self._current.get(kind, []) if old != path] + [path]
+                for old in kept[: -self._keep.get(kind, 1)]:
                     shutil.rmtree(old, ignore_errors=True)
-                self._current[kind] = path
+                self._current[kind] = kept[-self._keep.get(kind, 1) :]
 
     def discard(self, staged: WeightUpdate) -> None:
         """``staged`` was not loaded: delete it if it was written here."""
@@ -197,8 +208,9 @@ class StagingArea:
     def close(self) -> None:
         for _, p in self._pending:
             shutil.rmtree(p, ignore_errors=True)
-        for p in self._current.values():
-            shutil.rmtree(p, ignore_errors=True)
+        for paths in self._current.values():
+            for p in paths:
+                shutil.rmtree(p, ignore_errors=True)
         self._pending.clear()
         self._current.clear()
         if self._owns_root and self._root is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.util
+import json
 import math
 import time
 from pathlib import Path
@@ -86,6 +87,12 @@ def plotly_js() -> Path | None:
     return path if path.exists() else None
 
 
+def _quoted(text: str) -> str:
+    """``text`` as a JSON string (escapes show whitespace), a plain string that autoescaping
+    makes safe inside an attribute (``tojson`` leaves its quotes, which end a ``title``)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def _fmt(value: Any, digits: int = 3) -> str:
     if value is None:
         return "–"
@@ -143,6 +150,7 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
         lstrip_blocks=True,
     )
     env.filters["fmt"] = _fmt
+    env.filters["quoted"] = _quoted
     env.filters["duration"] = _duration
     env.filters["ago"] = _ago
     env.filters["when"] = _when
@@ -299,7 +307,7 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
         if detail is None:
             raise HTTPException(404, f"no episode {sid!r} in {name}")
         tokenizer = await asyncio.to_thread(run.tokenizer)
-        view = queries.token_rows(detail, cid, tokenizer)
+        view = queries.token_rows(detail, cid, tokenizer, _proximal(run))
         if view is None:
             raise HTTPException(404, f"no completion {cid!r} in episode {sid}")
         mode = request.query_params.get("color", "logprob")
@@ -392,6 +400,17 @@ class _NoStore(Exception):
     def __init__(self, run: Run) -> None:
         super().__init__(run.name)
         self.run = run
+
+
+def _proximal(run: Run) -> str | None:
+    """The run's ``loss.proximal`` from its config.yaml (``recompute``, the trainer's default,
+    where the file leaves it out); None without a readable config."""
+    cfg = run.config()
+    if not cfg:
+        return None
+    loss = cfg.get("loss")
+    value = loss.get("proximal") if isinstance(loss, dict) else None
+    return str(value) if value else "recompute"
 
 
 def _summary(eps: list[dict[str, Any]]) -> dict[str, Any]:

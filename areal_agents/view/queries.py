@@ -454,10 +454,19 @@ def _tree(cs: list[Completion]) -> list[dict[str, Any]]:
     return roots
 
 
-def token_rows(detail: dict[str, Any], completion_id: str, tokenizer: Any) -> dict[str, Any] | None:
+def token_rows(
+    detail: dict[str, Any], completion_id: str, tokenizer: Any, proximal: str | None = None
+) -> dict[str, Any] | None:
     """The token view of one completion: its new prompt tokens (from tools, the user and
     the template: no loss) and its output tokens with their logprob, version and the
-    trainer's per-token records."""
+    trainer's per-token records.
+
+    ``proximal`` is the run's ``loss.proximal`` (None: unknown, no config). Where the trainer
+    recomputed the proximal logprobs (``recompute``, or unknown), a trained token sampled by
+    the weights the trainer then had (its version is the record's ``version``) gets
+    ``mismatch``: trainer - server logprob (``prox_logprobs - output_logprobs``), and the
+    view a summary of them (:func:`mismatch_summary`). ``loglinear`` interpolates the
+    proximal logprob from the server's, so there is nothing to compare."""
     ep: Episode = detail["episode"]
     idx = next((i for i, c in enumerate(ep.completions) if c.id == completion_id), None)
     if idx is None:
@@ -467,17 +476,25 @@ def token_rows(detail: dict[str, Any], completion_id: str, tokenizer: Any) -> di
     suffix = c.prompt_ids[base.tokens :]
     strings = _strings(tokenizer, [*suffix, *c.output_ids])
     rec = detail["completions"][idx]["record"]
+    compare = rec is not None and proximal in (None, "recompute")
     out = []
     for k, tid in enumerate(c.output_ids):
+        logprob = c.output_logprobs[k] if k < len(c.output_logprobs) else None
+        version = c.output_versions[k] if k < len(c.output_versions) else None
+        prox = _at(rec, "prox_logprobs", k)
+        fresh = compare and rec is not None and version == rec["version"]
         out.append(
             {
                 "id": tid,
                 "text": strings[len(suffix) + k],
-                "logprob": c.output_logprobs[k] if k < len(c.output_logprobs) else None,
-                "version": c.output_versions[k] if k < len(c.output_versions) else None,
+                "logprob": logprob,
+                "version": version,
                 "weight": _at(rec, "behaviour_weights", k),
                 "ratio_logp": _at(rec, "train_logprobs", k),
-                "prox": _at(rec, "prox_logprobs", k),
+                "prox": prox,
+                "mismatch": prox - logprob
+                if fresh and prox is not None and logprob is not None
+                else None,
                 "advantage": _at(rec, "advantages", k),
                 "clipped": bool(_at(rec, "clipped", k) or False),
                 "behaviour_clipped": bool(_at(rec, "behaviour_clipped", k) or False),
@@ -491,7 +508,20 @@ def token_rows(detail: dict[str, Any], completion_id: str, tokenizer: Any) -> di
         "output": out,
         "record": rec,
         "trained_version": rec["version"] if rec else None,
+        "proximal": proximal,
+        "mismatch": mismatch_summary([t["mismatch"] for t in out]),
     }
+
+
+def mismatch_summary(diffs: list[float | None]) -> dict[str, float] | None:
+    """Over the tokens with a trainer - server logprob ``d`` (the others None): their number,
+    the mean k3 ``exp(d) - 1 - d`` (KL(server || trainer), as the trainer's ``mismatch/kl``)
+    and the largest ``|d|``; None without any."""
+    ds = [d for d in diffs if d is not None]
+    if not ds:
+        return None
+    k3 = [math.exp(min(d, 700.0)) - 1.0 - d for d in ds]
+    return {"tokens": len(ds), "kl": sum(k3) / len(ds), "abs_max": max(abs(d) for d in ds)}
 
 
 def _at(rec: dict[str, Any] | None, key: str, k: int) -> Any:

@@ -90,10 +90,23 @@ def _wait_for(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: flo
 
 
 @pytest.fixture(scope="session")
-def vllm_service(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from areal_agents.engines.launch import free_port
+def vllm_python() -> str:
+    """The Python of the vLLM environment (skips, or fails under AREAL_REQUIRE_VLLM=1)."""
     from areal_agents.engines.vllm import find_python
     from areal_agents.errors import UserError
+
+    try:
+        return find_python(None)
+    except UserError as exc:
+        _missing("no vLLM environment was found", str(exc), "AREAL_REQUIRE_VLLM")
+        raise
+
+
+@pytest.fixture(scope="session")
+def vllm_service(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Any]:
+    from areal_agents.engines.launch import free_port
 
     external = os.environ.get("AREAL_VLLM_URL")
     logs = tmp_path_factory.mktemp("vllm")
@@ -106,10 +119,7 @@ def vllm_service(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         url = external.rstrip("/")
         argv += ["--engine-url", url]
     else:
-        try:
-            python = find_python(None)
-        except UserError as exc:
-            _missing("no vLLM environment was found", str(exc), "AREAL_REQUIRE_VLLM")
+        python = request.getfixturevalue("vllm_python")
         engine_port = free_port()
         url = f"http://127.0.0.1:{engine_port}"
         argv += [
@@ -180,3 +190,17 @@ def fake_sglang_url(model_dir: Path) -> Iterator[str]:
     server.should_exit = True
     thread.join(timeout=10)
     asyncio.run(fake.close())
+
+
+@pytest.fixture(scope="session")
+def training_checks() -> Any:
+    """tests/engines/server_training.py: a short training run's config on the tiny model and
+    the checks of what the run left behind (for the train-on-servers tests)."""
+    import importlib.util
+
+    path = Path(__file__).with_name("server_training.py")
+    spec = importlib.util.spec_from_file_location("server_training", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -102,6 +102,12 @@ sft:
   lr: 1.0e-5
   kind: episodes
 metrics: {tensorboard: false, jsonl: true, wandb: false}
+engine:
+  backend: embedded
+  launch: {servers: 1, python: null, module: null, args: "", port: 0, log: null, gpus: 0,
+           env: {}, start_timeout_s: 900.0, max_restarts: 3}
+  urls: []
+  weights_dir: null
 eval: {episodes: 0, seed: 3, split: dev, env_kwargs: {max_tasks: 5}, temperature: 0.5, every: 0}
 agent: {factory: "my_pkg.agents:make_agent", kwargs: {temperature: 0.5}, train: [solver]}
 workers: {host: 127.0.0.1, port: 0, token: null, heartbeat_timeout_s: 30.0, on_lost: redo}
@@ -269,7 +275,7 @@ def test_unknown_keys_are_rejected_with_the_nearest_key(tmp_path: Path) -> None:
     )
     assert "unknown key 'lr'; did you mean 'optim.lr' or 'critic.lr' or 'sft.lr'?" in problems
     (zzz,) = [p for p in problems if "'zzz'" in p]
-    assert "valid keys here: env, model, algorithm" in zzz
+    assert "valid keys here: env, model, engine, algorithm" in zzz
 
 
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:

@@ -41,26 +41,6 @@ def policy(tiny_model_dir: Path) -> Policy:
     return Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
 
 
-def register_parity_env() -> None:
-    """``test/Parity-v0``: one turn; the reward depends on the sampled text (its length's
-    parity), so a group's advantages are not all 0."""
-    from areal_agents import envs
-    from areal_agents.envs.base import AgentEnv
-
-    class Parity(AgentEnv):
-        def _start(self, options):
-            return [{"role": "user", "content": "Say something."}], {"task_id": "parity"}
-
-        def tools(self):
-            return []
-
-        def _respond(self, message):
-            reward = float(len(message.get("content") or "") % 2)
-            return [], reward, True, {"success": reward > 0}
-
-    envs.register("test/Parity-v0", Parity, description="reply length parity", override=True)
-
-
 def test_pack_fills_budget_without_splitting():
     bins = pack([5, 3, 8, 2, 9], max_tokens=10)
     assert sorted(i for b in bins for i in b) == [0, 1, 2, 3, 4]
@@ -155,13 +135,14 @@ def test_each_token_is_scored_at_the_temperature_it_was_sampled_with(policy):
         assert torch.allclose(seen[i], w, atol=1e-5)
 
 
-def test_sampled_logprobs_match_the_trainers_at_each_calls_temperature(tiny_model_dir, tmp_path):
+def test_sampled_logprobs_match_the_trainers_at_each_calls_temperature(
+    tiny_model_dir, tmp_path, parity_env
+):
     """Episodes whose calls chose their own temperature (0.5 and 1.6, while the config says
     1.0): the batch scores each token at its call's temperature, so the trainer's logprobs
     under the sampling weights equal the engine's (ratio 1 on fresh data)."""
     from areal_agents.trainer.loop import Trainer
 
-    register_parity_env()
     cfg = load_config(
         None,
         [
@@ -486,6 +467,10 @@ def test_a_synchronous_run_fills_each_wait_with_updates_of_the_last_batch(
     asyncio.run(trainer.run())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     fills = [r["fill_updates"] for r in rows]
+    # loss.proximal=loglinear: the mismatch takes a forward pass of its own; step 1 trains the
+    # weights that sampled it (no fill before it). Measured: kl 2.5e-13, abs_max 1.9e-6.
+    assert all("mismatch/kl" in r and r["mismatch/fresh_share"] == 1.0 for r in rows)
+    assert rows[0]["mismatch/kl"] < 5e-9 and rows[0]["mismatch/abs_max"] < 1e-4
     assert len(fills) == 3 and fills[0] == 0
     assert all(1 <= f <= 2 for f in fills[1:]), fills
     assert all(r["fill_s"] >= 0 and r["wait_s"] >= 0 for r in rows)
@@ -694,12 +679,10 @@ def test_kill_9_then_resume_loses_and_repeats_no_group(narrow_model_dir, tmp_pat
 
 
 @pytest.mark.slow
-def test_eta0_async_loop_equals_a_synchronous_step(tiny_model_dir, tmp_path):
+def test_eta0_async_loop_equals_a_synchronous_step(tiny_model_dir, tmp_path, parity_env):
     """With max_head_offpolicyness = 0 the loop is the synchronous baseline: the same groups,
     all sampled by version 0, and the same update as generating first and then training."""
     from areal_agents.trainer.loop import Trainer
-
-    register_parity_env()
 
     def cfg_for(out: Path):
         return load_config(
@@ -727,6 +710,14 @@ def test_eta0_async_loop_equals_a_synchronous_step(tiny_model_dir, tmp_path):
     trainer = Recording(cfg_for(tmp_path / "async"), quiet=True)
     summary = asyncio.run(trainer.run())
     assert summary["staleness_max"] == 0.0  # every token was sampled by version 0
+    # The embedded engine samples with the trainer's weights: every trained token is fresh and
+    # its engine logprob is the trainer's (loss.proximal=recompute: batch.prox). Measured on
+    # the CPU in float32: kl 2.6e-13, abs_max 1.9e-6; the bounds are the 1e-4 logprob
+    # tolerance of test_sampled_logprobs_match_the_trainers_at_each_calls_temperature and its
+    # k3 ((1e-4)^2 / 2): room for other kernels (a GPU's), none for a real mismatch.
+    assert summary["mismatch/fresh_share"] == 1.0 and summary["mismatch/tokens"] > 0
+    assert 0 <= summary["mismatch/kl"] < 5e-9 and summary["mismatch/abs_max"] < 1e-4
+    assert summary["mismatch/masked_share"] == 0.0
     assert summary["adv_abs_max"] > 0, "the test needs a nonzero gradient"
     trained = {k: v.clone() for k, v in trainer.policy.model.named_parameters()}
 

@@ -345,33 +345,12 @@ def test_records_of_trainer_ranks_come_back_under_the_batch_indices(tiny_model_d
 
 
 # ----------------------------------------------------------------------------- a real run
-def _register_parity_env() -> None:
-    """``test/TokensParity-v0``: one turn; the reward is the reply length's parity, so a
-    group's advantages differ."""
-    from areal_agents import envs
-    from areal_agents.envs.base import AgentEnv
-
-    class Parity(AgentEnv):
-        def _start(self, options):
-            return [{"role": "user", "content": "Say something."}], {"task_id": "parity"}
-
-        def tools(self):
-            return []
-
-        def _respond(self, message):
-            reward = float(len(message.get("content") or "") % 2)
-            return [], reward, True, {"success": reward > 0}
-
-    envs.register("test/TokensParity-v0", Parity, description="reply parity", override=True)
-
-
 @pytest.mark.slow
 def test_a_training_run_records_every_trained_completion_of_every_step(
-    tiny_model_dir, tmp_path, monkeypatch
+    tiny_model_dir, tmp_path, monkeypatch, parity_env
 ):
     from areal_agents.trainer import loop
 
-    _register_parity_env()
     built: list[Batch] = []
 
     def capture(*args: Any, **kwargs: Any) -> Any:
@@ -384,7 +363,7 @@ def test_a_training_run_records_every_trained_completion_of_every_step(
     cfg = load_config(
         None,
         [
-            "env.id=test/TokensParity-v0",
+            "env.id=test/Parity-v0",
             f"model.path={tiny_model_dir}",
             "model.dtype=float32",
             "rollout.group_size=3",
@@ -408,7 +387,7 @@ def test_a_training_run_records_every_trained_completion_of_every_step(
             episode = store.load(sid)
             assert episode is not None
             meta = episode.episode.metadata
-            assert meta["env"] == "test/TokensParity-v0" and meta["turns"] == 1
+            assert meta["env"] == "test/Parity-v0" and meta["turns"] == 1
             assert meta["success"] in (True, False)
             outputs = {c.id: len(c.output_ids) for c in episode.episode.completions}
             for row in store.train_tokens(sid):
