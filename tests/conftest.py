@@ -62,6 +62,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def fake_sglang_engine() -> list[str]:
+    """Overrides that make a training run generate with the fake SGLang server
+    (areal_agents.testing.fake_sglang), launched the way a real one is: a server backend on
+    CPU."""
+    return [
+        "engine.backend=sglang",
+        f"engine.launch.python={sys.executable}",
+        "engine.launch.module=areal_agents.testing.fake_sglang",
+    ]
+
+
+@pytest.fixture(params=["embedded", "sglang"])
+def engine_overrides(request: pytest.FixtureRequest, fake_sglang_engine: list[str]) -> list[str]:
+    """A training run's engine overrides, once per backend: the embedded engine, and a server
+    (the fake SGLang, launched): every source must work on both."""
+    return [] if request.param == "embedded" else fake_sglang_engine
+
+
+@pytest.fixture
 def parity_env() -> str:
     """Registers ``test/Parity-v0`` and returns its id: one turn; the reward is the reply
     length's parity, so a group's advantages are not all 0."""

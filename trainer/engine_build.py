@@ -12,6 +12,10 @@ initial weights, turning a server that cannot read ``engine.weights_dir`` into a
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,6 +79,8 @@ def build_engine(
         rank = vllm_lora_rank(lora.r) if backend == "vllm" else lora.r
     # The trainer's dtype: the servers' logprobs are compared with its own (mismatch/*).
     dtype = str(resolve_dtype(cfg.model.dtype, device, low_precision_ok=lora.enabled))
+    if launch is not None:
+        stop_leftover_servers(out)
     engine = start_server_engine(
         backend,
         model_path,
@@ -93,7 +99,51 @@ def build_engine(
     except BaseException:
         _close_now(engine)
         raise
+    if launch is not None:
+        _record_servers(engine, out)
     return engine
+
+
+SERVERS_FILE = "engine/servers.json"
+"""The run's launched server processes (pid = process group, and the command), so that a
+run resumed after its trainer was killed stops the servers that outlived it."""
+
+
+def _record_servers(engine: Any, out: Path) -> None:
+    rows = []
+    for e in _replicas(engine):
+        popen = getattr(e.server, "popen", None)  # None: held by a Ray actor (Ray stops it)
+        if popen is not None:
+            rows.append({"pgid": popen.pid, "argv": list(e.server.argv), "url": e.url})
+    path = out / SERVERS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows))
+
+
+def stop_leftover_servers(out: Path) -> list[int]:
+    """Stop the process groups of servers an earlier start of this run launched and did not
+    stop (its trainer was killed): each one still running the recorded command gets SIGKILL.
+    Returns the process groups stopped."""
+    path = out / SERVERS_FILE
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    stopped = []
+    for row in rows:
+        pgid, argv = int(row["pgid"]), [str(a) for a in row["argv"]]
+        try:
+            cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            cmdline = []
+        if [c.decode(errors="replace") for c in cmdline if c] != argv:
+            continue  # gone, or the pid now belongs to another program
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+            stopped.append(pgid)
+            print(f"stopped a server left by an earlier start: {row['url']}", file=sys.stderr)
+    path.unlink(missing_ok=True)
+    return stopped
 
 
 def _ray_starter(cfg: TrainConfig) -> Any:

@@ -358,6 +358,7 @@ class RemoteEngine:
                 self.backend, self.url, code, self._stats["restarts"], self.max_restarts,
             )  # fmt: skip
             await asyncio.to_thread(self.server.restart, self.restart_timeout_s)
+            self._forget_server_state()
             if self._loaded is not None:
                 await self._load_staged(self._loaded, self._version)
             await self._after_restart()
@@ -371,6 +372,10 @@ class RemoteEngine:
             raise
         finally:
             self._restart_lock.release()
+
+    def _forget_server_state(self) -> None:
+        """A new server process holds nothing this engine loaded into the old one (the
+        subclass drops, e.g., its adapter's name)."""
 
     async def _after_restart(self) -> None:
         """A restarted server's checks and version label (after the weights are back)."""
@@ -410,6 +415,7 @@ class RemoteEngine:
                 break
             while self._swapping and not self._closed:  # see _swapped
                 await asyncio.sleep(0.01)
+            await self._wait_restarted()  # a resubmission must not reach a half-restored server
             epoch, fallback = self._interrupt_epoch, self._version
             seg = await self._submit(prompt + ids, params, room)
             ids += seg.ids

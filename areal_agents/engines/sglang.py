@@ -204,6 +204,9 @@ class SGLangEngine(RemoteEngine):
         if set_label:
             await self._set_label(self._version)
 
+    def _forget_server_state(self) -> None:
+        self._adapter = None  # the new process has no adapter to unload
+
     async def _after_restart(self) -> None:
         await self._setup(True)
 

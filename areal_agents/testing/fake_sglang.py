@@ -25,6 +25,20 @@ prompts, ``stream``, ``logprob_start_len`` other than -1 (no input logprobs are 
 does not know (SGLang itself fails those with HTTP 500). Each LoRA adapter runs as its own
 model copy, so requests with and without an adapter never share a batch.
 
+Stricter than SGLang, to catch a client that falls behind its own updates (HTTP 400 with a
+message): a ``/generate`` whose ``lora_path`` names a loaded adapter other than the newest
+one loaded (the fake serves one policy: an older adapter is a client that kept using it
+after an update; the adapter is resolved when the request is admitted, after a pause, as
+SGLang does), and an integer ``weight_version`` (``/update_weight_version``,
+``update_weights_from_disk``, ``update_weights_from_distributed``) lower than the current
+integer label (a version label never goes back; other labels are set as given). With
+``--readable-root DIR`` (tests only) weights outside DIR (``update_weights_from_disk``,
+``load_lora_adapter``) cannot be read, as on a server on another machine.
+
+Printed on stdout (the server's log): ``fake SGLang server pid=N ...`` at start, and one line
+per weight load (``fake SGLang: loaded LoRA adapter NAME from PATH``, ``fake SGLang: updated
+weights from PATH``, ``fake SGLang: updated weights from distributed``).
+
 Run it the way SGLang is run (LoRA is on with ``--enable-lora``; SGLang flags it has no use
 for, such as ``--mem-fraction-static``, are accepted and ignored)::
 
@@ -38,6 +52,8 @@ import asyncio
 import copy
 import json
 import math
+import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -94,7 +110,10 @@ class FakeSGLang:
         enable_lora: bool = True,
         dtype: str = "float32",
         max_batch_size: int = 16,
+        readable_root: str | None = None,
     ) -> None:
+        """``readable_root``: weight loads from paths outside it fail as unreadable (a
+        server on another machine, for tests)."""
         from areal_agents.engines.embedded import EmbeddedEngine  # noqa: PLC0415  loads torch here
 
         self.model_dir = str(model_dir)
@@ -117,6 +136,10 @@ class FakeSGLang:
         self._admin: asyncio.Lock | None = None
         self._groups: dict[str, Any] = {}  # weight groups by name
         self.received: dict[str, str] = {}  # name -> digest of the last distributed update
+        self.readable_root = None if readable_root is None else Path(readable_root).resolve()
+        self.loads: list[tuple[str, str]] = []
+        """Every weight load, in order: ("lora", adapter path), ("full", path), or
+        ("distributed", "")."""
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ app
@@ -227,9 +250,15 @@ class FakeSGLang:
         if not len(names) == len(dtypes) == len(shapes):
             raise _Rejected("names, dtypes and shapes must be as long as each other")
         async with self._lock():
+            # Received first even when refused below: the trainer is broadcasting them.
             tensors = await asyncio.to_thread(receive, group, dtypes, shapes)
             state = dict(zip(names, tensors, strict=True))
             self.received = {k: digest(v) for k, v in state.items()}
+            if backwards := self._backwards(body.get("weight_version")):
+                return JSONResponse(
+                    {"success": False, "message": f"Failed to update weights: {backwards}"},
+                    status_code=400,
+                )
             try:
                 for engine in self._engines():
                     await engine.update_weights(WeightUpdate(kind="full", state_dict=state))
@@ -240,6 +269,7 @@ class FakeSGLang:
                 )
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
+            self._loaded("distributed", "", "updated weights from distributed")
         return JSONResponse({"success": True, "message": "Succeeded to update model weights."})
 
     async def received_weights(self) -> dict[str, str]:
@@ -262,8 +292,10 @@ class FakeSGLang:
     # ------------------------------------------------------------------ generate
     async def generate(self, body: _GenerateBody) -> dict[str, Any]:
         ids, engine, params, logprob, top_n = self._parse(body)
-        while self._paused:  # SGLang holds new requests while generation is paused
-            await asyncio.sleep(0.01)
+        if self._paused:  # SGLang holds new requests while generation is paused
+            while self._paused:
+                await asyncio.sleep(0.01)
+            engine = self._engine_for(body.lora_path)  # and resolves the adapter after
         rid = body.rid if isinstance(body.rid, str) else uuid.uuid4().hex
         start = time.perf_counter()
         if params is None:  # max_new_tokens == 0: a prefill only
@@ -343,6 +375,13 @@ class FakeSGLang:
             raise _Rejected(
                 f"The following requested LoRA adapters are not loaded: {lora_path}\n"
                 f"Loaded adapters: {loaded}."
+            )
+        newest = next(reversed(self.adapters))
+        if lora_path != newest:
+            raise _Rejected(
+                f"The requested LoRA adapter {lora_path} is not the newest one loaded: "
+                f"{newest} was loaded after it (the fake SGLang server serves the newest "
+                "adapter only)"
             )
         return self.adapters[lora_path][1]
 
@@ -431,6 +470,14 @@ class FakeSGLang:
         if not isinstance(path, str):
             raise _Rejected("update_weights_from_disk needs model_path (a string)")
         async with self._lock():
+            message = None
+            if backwards := self._backwards(body.get("weight_version")):
+                message = f"Failed to update weights: {backwards}"
+            elif unreadable := self._unreadable(path):
+                message = f"Failed to get weights iterator: {unreadable}."
+            if message is not None:
+                content = {"success": False, "message": message, "num_paused_requests": 0}
+                return JSONResponse(content, status_code=400)
             if body.get("abort_all_requests"):
                 for engine in self._engines():
                     await engine.abort_all()
@@ -443,6 +490,7 @@ class FakeSGLang:
                 content = {"success": False, "message": f"Failed to update weights: {exc}"}
                 return JSONResponse({**content, "num_paused_requests": 0}, status_code=400)
             message = "Succeeded to update model weights."
+            self._loaded("full", path, f"updated weights from {path}")
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
                 message += f" Weight version updated to {self.weight_version}."
@@ -450,6 +498,8 @@ class FakeSGLang:
 
     async def update_weight_version(self, request: Request) -> dict[str, Any]:
         body = await _json(request)
+        if backwards := self._backwards(body.get("new_version")):
+            raise _Rejected(backwards)
         if body.get("abort_all_requests"):
             for engine in self._engines():
                 await engine.abort_all()
@@ -475,6 +525,8 @@ class FakeSGLang:
         async with self._lock():
             if name in self.adapters:
                 return _lora_error(f"Failed to load LoRA adapter {name}: the name is in use")
+            if unreadable := self._unreadable(path):
+                return _lora_error(f"Failed to load LoRA adapter {name} from {path}: {unreadable}")
             try:
                 model = await asyncio.to_thread(
                     lambda: apply_weight_update(
@@ -494,6 +546,7 @@ class FakeSGLang:
             if self._paused:
                 await engine.pause()
             self.adapters[name] = (path, engine)
+            self._loaded("lora", path, f"loaded LoRA adapter {name} from {path}")
         loaded = {n: p for n, (p, _) in self.adapters.items()}
         return JSONResponse({"success": True, "error_message": None, "loaded_adapters": loaded})
 
@@ -507,6 +560,29 @@ class FakeSGLang:
         await engine.close()
         loaded = {n: p for n, (p, _) in self.adapters.items()}
         return JSONResponse({"success": True, "error_message": None, "loaded_adapters": loaded})
+
+    # ------------------------------------------------------------------ checks
+    def _backwards(self, label: Any) -> str | None:
+        """Why setting the version label to ``label`` is refused: an integer label lower than
+        the current integer label (None: allowed)."""
+        new, current = _int_label(label), _int_label(self.weight_version)
+        if new is None or current is None or new >= current:
+            return None
+        return (
+            f"the weight version cannot go back from {self.weight_version} to {label} "
+            "(a version label never decreases)"
+        )
+
+    def _unreadable(self, path: str) -> str | None:
+        """Why the weights at ``path`` cannot be read with ``--readable-root`` (None: they
+        can be tried)."""
+        if self.readable_root is None or Path(path).resolve().is_relative_to(self.readable_root):
+            return None
+        return f"[Errno 2] No such file or directory: '{path}'"
+
+    def _loaded(self, kind: str, path: str, line: str) -> None:
+        self.loads.append((kind, path))
+        print(f"fake SGLang: {line}", flush=True)
 
     async def close(self) -> None:
         for engine in self._engines():
@@ -579,6 +655,14 @@ async def _json(request: Request) -> dict[str, Any]:
     return data
 
 
+def _int_label(label: Any) -> int | None:
+    if isinstance(label, int) and not isinstance(label, bool):
+        return label
+    if isinstance(label, str) and re.fullmatch(r"\s*-?\d+\s*", label):
+        return int(label)
+    return None
+
+
 def _lora_error(message: str) -> Response:
     body = {"success": False, "error_message": message, "loaded_adapters": None}
     return JSONResponse(body, status_code=400)
@@ -595,6 +679,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int, default=None)  # accepted, not needed
     parser.add_argument("--lora-target-modules", nargs="*", default=None)  # accepted
+    parser.add_argument(
+        "--readable-root",
+        default=None,
+        help="tests only: weights outside this directory cannot be read (a remote server)",
+    )
     args, ignored = parser.parse_known_args(argv)  # other SGLang flags change nothing here
     if ignored:
         print(f"fake SGLang: ignoring {' '.join(ignored)}", flush=True)
@@ -605,6 +694,12 @@ def main(argv: list[str] | None = None) -> None:
         context_length=args.context_length,
         enable_lora=args.enable_lora,
         dtype=dtype,
+        readable_root=args.readable_root,
+    )
+    print(
+        f"fake SGLang server pid={os.getpid()} on http://{args.host}:{args.port} "
+        f"(model {args.model_path})",
+        flush=True,
     )
     uvicorn.run(fake.app, host=args.host, port=args.port, log_level="warning")
 

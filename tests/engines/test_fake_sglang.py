@@ -135,6 +135,126 @@ async def test_weights_and_adapters(http: httpx.AsyncClient, tiny_model_dir: Pat
     assert (await http.get("/health")).status_code == 200
 
 
+def _adapter(root: Path, seed: int) -> str:
+    """A random LoRA adapter of the tiny model, as a peft directory under ``root``."""
+    import torch
+    from peft import LoraConfig
+
+    from areal_agents.engines.protocol import WeightUpdate
+    from areal_agents.engines.weight_files import stage_update
+
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])
+    g = torch.Generator().manual_seed(seed)
+    hidden, q_out = 128, 2 * 64  # the tiny Qwen3: hidden_size, heads x head_dim
+    state = {}
+    for layer in range(2):
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        state[f"{prefix}.lora_A.weight"] = torch.randn(2, hidden, generator=g)
+        state[f"{prefix}.lora_B.weight"] = torch.randn(q_out, 2, generator=g)
+    root.mkdir(parents=True, exist_ok=True)
+    staged = stage_update(WeightUpdate(kind="lora", state_dict=state, lora_config=config), root)
+    return str(staged.path)
+
+
+async def _client(fake: FakeSGLang) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=fake.app), base_url="http://s")
+
+
+async def test_an_adapter_other_than_the_newest_is_refused(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A client that keeps naming the adapter it used before an update gets HTTP 400 naming
+    the newest adapter; an adapter never loaded gets SGLang's "not loaded"."""
+    fake = FakeSGLang(str(tiny_model_dir), context_length=64)
+    body = {"input_ids": [1, 2], "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+    async with await _client(fake) as http:
+        for name, seed in (("old", 0), ("new", 1)):
+            path = _adapter(tmp_path / name, seed)
+            r = await http.post("/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            assert r.status_code == 200, r.text
+        assert (await http.post("/generate", json={**body, "lora_path": "new"})).status_code == 200
+        r = await http.post("/generate", json={**body, "lora_path": "old"})
+        assert r.status_code == 400
+        message = r.json()["error"]["message"]
+        assert "old is not the newest one loaded" in message and "new was loaded" in message
+        r = await http.post("/generate", json={**body, "lora_path": "gone"})
+        assert r.status_code == 400
+        assert "not loaded: gone" in r.json()["error"]["message"]
+        # Resolved when admitted: a request held by a pause, sent with the adapter that was
+        # newest then, is refused once a newer one is loaded during the pause.
+        await http.post("/pause_generation", json={"mode": "abort"})
+        held = asyncio.create_task(http.post("/generate", json={**body, "lora_path": "new"}))
+        await asyncio.sleep(0.1)
+        path = _adapter(tmp_path / "newer", 2)
+        r = await http.post("/load_lora_adapter", json={"lora_name": "newer", "lora_path": path})
+        assert r.status_code == 200
+        await http.post("/continue_generation", json={})
+        r = await held
+        assert r.status_code == 400 and "newer was loaded" in r.json()["error"]["message"]
+        # Once the newer ones are unloaded, the one left is the newest.
+        for name in ("newer", "new"):
+            await http.post("/unload_lora_adapter", json={"lora_name": name})
+        assert (await http.post("/generate", json={**body, "lora_path": "old"})).status_code == 200
+        assert [kind for kind, _ in fake.loads] == ["lora"] * 3
+    await fake.close()
+
+
+async def test_an_integer_version_label_never_goes_back(tiny_model_dir: Path) -> None:
+    fake = FakeSGLang(str(tiny_model_dir), context_length=64)
+
+    async def label(version: Any) -> httpx.Response:
+        return await http.post("/update_weight_version", json={"new_version": version})
+
+    async with await _client(fake) as http:
+        assert (await label("5")).status_code == 200  # from "default": any label
+        r = await label("4")
+        assert r.status_code == 400
+        assert "cannot go back from 5 to 4" in r.json()["error"]["message"]
+        assert fake.weight_version == "5"
+        assert (await label("5")).status_code == 200  # the same again is not back
+        assert (await label("run-b")).status_code == 200  # other labels as before
+        assert (await label("2")).status_code == 200
+        assert (await label("3")).status_code == 200
+        model = str(tiny_model_dir)
+        r = await http.post(
+            "/update_weights_from_disk", json={"model_path": model, "weight_version": "1"}
+        )
+        assert r.status_code == 400 and r.json()["success"] is False
+        assert "cannot go back from 3 to 1" in r.json()["message"]
+        assert fake.weight_version == "3" and fake.loads == []  # nothing was loaded
+        r = await http.post(
+            "/update_weights_from_disk", json={"model_path": model, "weight_version": "4"}
+        )
+        assert r.status_code == 200 and fake.loads == [("full", model)]
+        assert (await http.get("/get_weight_version")).json() == {"weight_version": "4"}
+    await fake.close()
+
+
+async def test_weights_outside_the_readable_root_cannot_be_read(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``readable_root`` (``--readable-root``): weights elsewhere fail as on a server on
+    another machine, in SGLang's words; those under it load."""
+    shared = tmp_path / "shared"
+    fake = FakeSGLang(str(tiny_model_dir), context_length=64, readable_root=str(shared))
+    inside = _adapter(shared, 0)
+    outside = _adapter(tmp_path / "local", 0)
+    async with await _client(fake) as http:
+        r = await http.post("/update_weights_from_disk", json={"model_path": str(tiny_model_dir)})
+        assert r.status_code == 400 and r.json()["success"] is False
+        assert r.json()["message"] == (
+            f"Failed to get weights iterator: [Errno 2] No such file or directory: "
+            f"'{tiny_model_dir}'."
+        )
+        r = await http.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": outside})
+        assert r.status_code == 400 and r.json()["success"] is False
+        assert "No such file or directory" in r.json()["error_message"]
+        r = await http.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": inside})
+        assert r.status_code == 200, r.text
+        assert fake.loads == [("lora", inside)]
+    await fake.close()
+
+
 def _launch(model: Path, tmp_path: Path) -> Any:
     """SGLangEngine.launch with SGLang's flags, running the fake server's module."""
     import sys
@@ -204,6 +324,14 @@ def test_weights_over_a_process_group_reach_the_server_bit_for_bit(
             assert await engine.update_weights_distributed(half) == 4
             received = httpx.get(f"{engine.url}/debug/received_weights").json()
             assert received == {k: digest(v) for k, v in half.items()}
+            # A lower version is refused (after the tensors are received, so the group stays
+            # in step); the served weights and the label stay those of version 4.
+            with pytest.raises(ValueError, match="cannot go back from 4 to 2"):
+                await engine.update_weights_distributed(state, version=2)
+            assert httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"] == "4"
+            assert engine.version == 4
+            again = await engine.generate([1, 2, 3], greedy)
+            assert again.output_versions == [4] * len(again.output_ids)
         finally:
             await engine.close()
 

@@ -56,7 +56,7 @@ def make_agent(max_tokens: int = 8):
 
 
 @pytest.mark.slow
-def test_an_agents_sdk_agent_is_trained_in_process(tiny_model_dir, tmp_path):
+def test_an_agents_sdk_agent_is_trained_in_process(tiny_model_dir, tmp_path, engine_overrides):
     pytest.importorskip("agents")
     from areal_agents.trainer.loop import Trainer
 
@@ -79,6 +79,7 @@ def test_an_agents_sdk_agent_is_trained_in_process(tiny_model_dir, tmp_path):
             "optim.lr=1e-3",
             "metrics.tensorboard=false",
             f"train.output_dir={out}",
+            *engine_overrides,
         ],
     )
 

@@ -270,7 +270,9 @@ def test_config_checks_of_self_rewarded_runs():
 
 
 @pytest.mark.slow
-def test_areal_agent_train_learns_from_a_self_rewarded_service(tiny_model_dir, tmp_path):
+def test_areal_agent_train_learns_from_a_self_rewarded_service(
+    tiny_model_dir, tmp_path, engine_overrides
+):
     """The whole loop: `Trainer` serves sessions, a service thread answers groups and posts
     rewards with the worker token, two steps train on them."""
     import threading
@@ -293,6 +295,7 @@ def test_areal_agent_train_learns_from_a_self_rewarded_service(tiny_model_dir, t
             "metrics.tensorboard=false",
             "workers.token=wk-e2e",
             f"train.output_dir={out}",
+            *engine_overrides,
         ],
     )
     trainer = Trainer(cfg, quiet=True)
