@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
+from typing import Any
 
 from areal_agents.errors import ArealError
 
@@ -323,7 +326,15 @@ def _add_backend_args(parser: argparse.ArgumentParser, *, training: bool = False
     )
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    """SIGTERM ends a command the way Ctrl-C does: its cleanup runs (servers it started are
+    stopped, the store is flushed); Python's default would exit without it."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse ends a positional list at the first flag: `train --config F a=1 --quiet b=2`

@@ -417,7 +417,16 @@ class RemoteEngine:
                 await asyncio.sleep(0.01)
             await self._wait_restarted()  # a resubmission must not reach a half-restored server
             epoch, fallback = self._interrupt_epoch, self._version
-            seg = await self._submit(prompt + ids, params, room)
+            try:
+                seg = await self._submit(prompt + ids, params, room)
+            except ServerRejected:
+                if self._interrupt_epoch == epoch:
+                    raise
+                # A weight update began after this request was sent and the server refused
+                # it once the update was done (SGLang: the adapter it named was unloaded):
+                # sent again, it names the new weights.
+                interruptions += 1
+                continue
             ids += seg.ids
             logprobs += seg.logprobs
             versions += [fallback if v is None else v for v in seg.versions]

@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from areal_agents.engines.protocol import GenerateResult, SamplingParams
-from areal_agents.engines.remote import RemoteEngine, Segment, _cut_at_stop_string, int_label
+from areal_agents.engines.remote import (
+    RemoteEngine,
+    Segment,
+    ServerRejected,
+    _cut_at_stop_string,
+    int_label,
+)
 from areal_agents.engines.sglang import _segment as sglang_segment
 from areal_agents.errors import BackendError, UserError
 
@@ -52,6 +58,42 @@ async def test_the_logprob_check_refuses_other_quantities(report: Any, kind: str
 def _result(ids: list[int]) -> GenerateResult:
     n = len(ids)
     return GenerateResult(ids, [-1.0] * n, [0] * (n // 2) + [1] * (n - n // 2), "length")
+
+
+class RefusedOnceAfterAnUpdate(RemoteEngine):
+    """A server that, while the request is on the wire, sees a weight update begin and then
+    refuses the request for naming the weights the update replaced."""
+
+    def __init__(self) -> None:
+        super().__init__("http://unused", model_name="m", max_context=100)
+        self.sent: list[list[int]] = []
+
+    async def _submit(self, prompt: list[int], params: SamplingParams, n: int) -> Segment:
+        self.sent.append(prompt)
+        if len(self.sent) == 1:
+            self._interrupt_epoch += 1  # an update started meanwhile
+            raise ServerRejected("the adapter areal-lora-v1 is not loaded")
+        return Segment([7, 8], [-0.1, -0.2], [2, 2], "length")
+
+
+async def test_a_request_refused_after_an_update_began_is_sent_again() -> None:
+    engine = RefusedOnceAfterAnUpdate()
+    result = await engine.generate([1, 2], SamplingParams(max_new_tokens=2))
+    assert result.output_ids == [7, 8] and result.output_versions == [2, 2]
+    assert result.interruptions == 1 and engine.sent == [[1, 2], [1, 2]]
+
+
+class Refused(RemoteEngine):
+    def __init__(self) -> None:
+        super().__init__("http://unused", model_name="m", max_context=100)
+
+    async def _submit(self, prompt: list[int], params: SamplingParams, n: int) -> Segment:
+        raise ServerRejected("max_tokens must be positive")
+
+
+async def test_a_request_refused_without_an_update_is_the_callers_error() -> None:
+    with pytest.raises(ServerRejected, match="must be positive"):
+        await Refused().generate([1, 2], SamplingParams(max_new_tokens=2))
 
 
 def test_a_stop_string_across_an_interruption_cuts_the_output() -> None:
