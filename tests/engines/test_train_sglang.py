@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from areal_agents.engines import sglang as sglang_engine
-from areal_agents.errors import ConfigError
+from areal_agents.errors import BackendError, ConfigError
 from areal_agents.trainer.loop import train
 
 FAKE = "areal_agents.testing.fake_sglang"
@@ -132,6 +132,24 @@ def test_training_on_a_launched_fake_sglang_server_that_is_killed_mid_run(
     sessions = t.check_store(out, steps)
     completions, _ = _check_versions(sessions, labels)
     assert completions >= steps * 8, completions
+
+
+def test_a_server_that_dies_once_too_often_stops_the_run_with_its_log(
+    tiny_model_dir: Path, parity_env: str, training_checks: Any, tmp_path: Path
+) -> None:
+    """``engine.launch.max_restarts: 0``: the first death is final, and the run stops with
+    the server's exit and log instead of waiting for episodes that cannot come."""
+    t, out = training_checks, tmp_path / "run"
+    cfg = t.short_run(tiny_model_dir, out, _launched(max_restarts=0), train={"steps": 4})
+    log = out / "engine" / "sglang-0.log"
+    started = time.monotonic()
+    with (
+        t.kill_server_after(out, log, step=1, pid_pattern=t.FAKE_SGLANG_PID) as killed,
+        pytest.raises(BackendError, match=r"exited \(code -9\) after 0 restart\(s\) \(limit: 0\)"),
+    ):
+        train(cfg, quiet=True)
+    assert killed.get("pid") and time.monotonic() - started < 120
+    assert [r["step"] for r in t.metrics(out)] == [1]
 
 
 @pytest.mark.slow
