@@ -56,10 +56,10 @@ def build_engine(
             compute_lock=compute_lock,
             kv_on_update=cfg.rollout.kv_on_update,
         )
-    eng, backend, lora = cfg.engine, cfg.engine.backend, cfg.model.lora
+    backend, lora = cfg.engine.backend, cfg.model.lora
     launch = None
-    if not eng.urls:
-        spec = eng.launch
+    if not cfg.engine.urls:
+        spec = cfg.engine.launch
         launch = Launch(
             servers=spec.servers,
             python=spec.python,
@@ -85,7 +85,7 @@ def build_engine(
         backend,
         model_path,
         launch=launch,
-        urls=eng.urls,
+        urls=cfg.engine.urls,
         dtype=dtype.removeprefix("torch."),
         lora_rank=rank,
         max_num_seqs=max(cfg.rollout.concurrency, 1),
