@@ -641,6 +641,8 @@ def _error_message(r: httpx.Response) -> str:
             return str(err["message"])
         if isinstance(err, str):
             return err
+        if body.get("error_message"):  # SGLang's adapter and weight endpoints
+            return str(body["error_message"])
         if body.get("message"):
             return str(body["message"])
         if body.get("detail"):

@@ -141,6 +141,18 @@ def test_sglang_answers_are_read_as_documented() -> None:
     assert sglang_segment(length).finish == "length" and sglang_segment(length).stop_reason is None
 
 
+def test_a_refusal_shows_the_servers_own_message() -> None:
+    import httpx
+
+    from areal_agents.engines.remote import _error_message
+
+    sglang = {"success": False, "error_message": "LoRA adapter x is not loaded"}
+    assert _error_message(httpx.Response(400, json=sglang)) == "LoRA adapter x is not loaded"
+    openai = {"error": {"message": "bad max_tokens", "type": "BadRequestError"}}
+    assert _error_message(httpx.Response(400, json=openai)) == "bad max_tokens"
+    assert _error_message(httpx.Response(404, json={"detail": "Not Found"})) == "Not Found"
+
+
 def test_sglang_errors_are_named() -> None:
     meta = SGLANG_STOP["meta_info"]
     rejected = {
