@@ -10,6 +10,7 @@ the server reports. The options are defined with the parser, in :mod:`areal_agen
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ def load_server_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     ``engine`` section builds its own)."""
     if getattr(args, "ray", False) or getattr(args, "ray_address", None):
         raise ConfigError("--ray runs the embedded engine; drop --ray with --backend vllm/sglang")
-    say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    say = functools.partial(print, file=sys.stderr)
     if args.engine_url:
         model_dir = resolve_model(args.model) if args.model else None
         engine = start_server_engine(args.backend, model_dir, urls=args.engine_url, say=say)

@@ -63,6 +63,24 @@ def metrics(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def check_mismatch(rows: list[dict[str, Any]]) -> None:
+    """``mismatch/kl`` is measured on some step and under the bound wherever it is."""
+    checked = [r["mismatch/kl"] for r in rows if "mismatch/kl" in r]
+    assert checked and max(checked) < MISMATCH_BOUND, checked
+
+
+def check_restarted_run(out: Path, backend: str, steps: int) -> list[dict[str, Any]]:
+    """A run whose server was killed once: every step done, on ``backend``, learning, one
+    restart, the mismatch under its bound. Returns the metrics rows."""
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert {r["engine"] for r in rows} == {backend}
+    assert any(r["grad_norm"] > 0 for r in rows)
+    assert rows[-1]["engine/restarts"] == 1
+    check_mismatch(rows)
+    return rows
+
+
 def stored_episodes(out: Path) -> dict[str, Any]:
     """Every session of the run's store, by id (read after the run)."""
     from areal_agents.serve.store import EpisodeStore

@@ -90,11 +90,6 @@ def _check_versions(sessions: dict[str, Any], labels: Labels) -> tuple[int, int]
     return completions, interrupted
 
 
-def _check_mismatch(rows: list[dict[str, Any]], bound: float) -> None:
-    checked = [r["mismatch/kl"] for r in rows if "mismatch/kl" in r]
-    assert checked and max(checked) < bound, checked
-
-
 @pytest.mark.slow
 def test_training_on_a_launched_fake_sglang_server_that_is_killed_mid_run(
     tiny_model_dir: Path,
@@ -112,12 +107,7 @@ def test_training_on_a_launched_fake_sglang_server_that_is_killed_mid_run(
         train(cfg, quiet=True)
     assert killed.get("pid"), "the server was not killed"
 
-    rows = t.metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert {r["engine"] for r in rows} == {"sglang"}
-    assert any(r["grad_norm"] > 0 for r in rows)
-    assert rows[-1]["engine/restarts"] == 1
-    _check_mismatch(rows, t.MISMATCH_BOUND)
+    t.check_restarted_run(out, "sglang", steps)
 
     # One adapter load per weight sync (the initial one and one per step) from directories
     # of their own, and the current one again on the restarted server.
@@ -177,7 +167,7 @@ def test_training_full_weights_on_a_launched_fake_sglang_server(
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert {r["engine"] for r in rows} == {"sglang"}
     assert any(r["grad_norm"] > 0 for r in rows)
-    _check_mismatch(rows, t.MISMATCH_BOUND)
+    t.check_mismatch(rows)
     text = (out / "engine" / "sglang-0.log").read_text()
     loads = FULL_LOAD.findall(text)
     assert len(set(loads)) == steps + 1 and len(loads) == steps + 1, loads
