@@ -65,6 +65,7 @@ from areal_agents.hardware import default_device, pin_to_cpus, resolve_dtype
 from areal_agents.model import resolve_model
 from areal_agents.rollout.observe import observe_prompt
 from areal_agents.serve.chat import ChatTokenizer
+from areal_agents.trainer import run_state as run_file
 from areal_agents.trainer.algorithms import (
     AlgorithmSpec,
     LossSpec,
@@ -138,16 +139,14 @@ class Trainer:
         )
         self.out = Path(cfg.train.output_dir)
         self.resume = resume or cfg.train.resume
-        if not self.resume and (self.out / "checkpoints").exists():
-            raise ConfigError(
-                f"{self.out} already holds a run; pass --resume to continue it "
-                "or set train.output_dir to a new directory"
-            )
+        refuse_existing_run(cfg, self.resume)
         self.out.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, self.out / "config.yaml")
         self._fills: list[Update] = []  # the last batch's updates still to repeat (fill_passes)
         self.state = RunState()
         self._engine_last: tuple[float, float, float] | None = None  # time, tokens, steps
+        self._phase = "starting"  # RUN_DIR/run.json's phase (run_state)
+        self._last_eval: dict[str, float] = {}  # the latest held-out evaluation's metrics
 
     # -- setup -------------------------------------------------------------------
     def _build(self) -> None:
@@ -235,11 +234,22 @@ class Trainer:
         last = self.held_out.results[-1:]
         if label == "final" and last and last[0]["step"] == self.state.step:
             self.held_out.record_again(label)  # the last step was just evaluated
+            writer = getattr(self, "_metrics_writer", None)
+            if writer is not None:
+                writer.log_held_out(self.state.step, label, self._last_eval)
             return {}
+        before = self._phase
+        self._set_phase("evaluating")
         with spans.span("rollout", "held_out", label=label):
-            return await self.held_out.run(
+            scalars = await self.held_out.run(
                 self.source, label, self.state.step, progress=not self.quiet
             )
+        writer = getattr(self, "_metrics_writer", None)  # None: before the run's writer
+        if writer is not None:
+            writer.log_held_out(self.state.step, label, scalars)
+        self._last_eval = scalars
+        self._set_phase(before)
+        return scalars
 
     def _warm_start(self) -> None:
         """Supervised warm start on ``sft.demos``: chat messages rendered with the env's tools
@@ -247,6 +257,7 @@ class Trainer:
         recorded episodes' training samples as they are (``sft.kind: episodes``). Runs on a
         thread of its own (the agent probe gets an event loop of its own there)."""
         cfg = self.cfg
+        self._set_phase("warm_start")
         if cfg.sft.kind == "episodes":  # recorded token ids: no env, template or agent
             vocab = int(self.policy.model.get_input_embeddings().weight.shape[0])
             pairs, skipped = load_episode_samples(cfg.sft.demos or "", vocab)
@@ -313,6 +324,11 @@ class Trainer:
         if not self.quiet:
             print(f"warm start: {stats}", file=sys.stderr)
 
+    def _set_phase(self, phase: str, **changes: Any) -> None:
+        """What the run does now, in ``RUN_DIR/run.json`` (with other ``changes``)."""
+        self._phase = phase
+        run_file.update_file(self.out, phase=phase, **changes)
+
     # -- checkpoints --------------------------------------------------------------
     def _elapsed(self) -> float:
         """Wall-clock seconds of the run so far (warm start included, over resumes)."""
@@ -376,10 +392,12 @@ class Trainer:
         self._build()
         cfg, st, source = self.cfg, self.state, self.source
         metrics, bar = self._metrics(), self._progress_bar()
+        self._metrics_writer = metrics
         recent: deque[float] = deque(maxlen=4)  # step durations, s
         summary: dict[str, Any] = {}
         try:
             await self._start()
+            self._set_phase("training", step=st.step)
             while st.step < cfg.train.steps:
                 t0 = time.perf_counter()
                 groups, fill = await self._next_batch()
@@ -392,6 +410,7 @@ class Trainer:
                 every = cfg.train.save_every
                 if stop or st.step == cfg.train.steps or (every and st.step % every == 0):
                     self._checkpoint()
+                run_file.update_file(self.out, step=st.step)
                 bar.update()
                 bar.set_postfix(
                     reward=f"{summary['reward_mean']:.2f}",
@@ -411,6 +430,7 @@ class Trainer:
             metrics.close()
             spans.stop()
             await self.engine.close()
+        self._set_phase("exporting")
         final = self.policy.export(self.out / "final", self.model_path, merge_lora=True)
         summary["final_model"] = str(final)
         return summary
@@ -693,6 +713,16 @@ def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:
     return dataclasses.replace(spec, loss=loss, advantage=adv)
 
 
+def refuse_existing_run(cfg: TrainConfig, resume: bool) -> None:
+    """A ConfigError when ``train.output_dir`` already holds a run and this is no resume."""
+    out = Path(cfg.train.output_dir)
+    if not (resume or cfg.train.resume) and (out / "checkpoints").exists():
+        raise ConfigError(
+            f"{out} already holds a run; pass --resume to continue it "
+            "or set train.output_dir to a new directory"
+        )
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -703,6 +733,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dic
     trainer (``train.nproc > 1`` or ``train.fsdp``) runs on ranks that
     ``areal_agents.trainer.distributed.launch`` starts, or on Ray actors (``RayRanks``) with
     ``scheduler: ray``."""
+    refuse_existing_run(cfg, resume)  # before run.json: a refused directory keeps its own
+    writer = run_file.RunStateWriter(cfg.train.output_dir, target_steps=cfg.train.steps)
+    try:
+        summary = _train(cfg, resume=resume, quiet=quiet)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (areal_agents.cli.main)
+        writer.end("stopped", "stopped")
+        raise
+    except BaseException as exc:
+        writer.end("failed", f"failed: {type(exc).__name__}: {exc}"[:2000])
+        raise
+    writer.end("finished", "time_limit" if summary.get("stopped_by_time_limit") else "steps_done")
+    return summary
+
+
+def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> dict[str, Any]:
     if cfg.train.sharded and cfg.scheduler == "ray":
         ranks = RayRanks(cfg.train.nproc, cfg.train.seed, cfg.train.collective_timeout_s)
         try:

@@ -1,5 +1,6 @@
-"""Training metrics: one JSONL line per step, TensorBoard scalars and histograms, optional
-wandb. Writers never fail a run: a missing backend is reported once and skipped."""
+"""Training metrics: one JSONL line per step (and one per held-out evaluation), TensorBoard
+scalars and histograms, optional wandb. Writers never fail a run: a missing backend is
+reported once and skipped."""
 
 from __future__ import annotations
 
@@ -64,6 +65,16 @@ class MetricsWriter:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+
+    def log_held_out(self, step: int, label: str, scalars: dict[str, float]) -> None:
+        """A held-out evaluation as a JSONL row of its own: ``{"step", "held_out": label,
+        "eval/...": ...}``, written for every stage (``base``, ``warm_start``, ``step-N``,
+        ``final``). Such a row is not a training step: readers that chart steps skip rows
+        carrying ``held_out``. (``step-N`` results are also in that step's own row.)"""
+        if self._jsonl is not None and scalars:
+            row = {"step": step, "held_out": label, **self.tags, **scalars}
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -95,8 +95,18 @@ def test_the_run_evaluates_base_warm_start_steps_and_the_end(tiny_model_dir, tmp
         "held-out success: base 50% -> warm start 50% -> RL 50% (8 tasks, greedy, test split)"
     )
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["eval/success_rate"] for r in rows] == [0.5, 0.5]
-    assert rows[0]["eval/success_even-odd"] == 0.5
+    steps = [r for r in rows if "held_out" not in r]
+    assert [r["eval/success_rate"] for r in steps] == [0.5, 0.5]
+    assert steps[0]["eval/success_even-odd"] == 0.5
+    # every stage is also a row of its own, at its step (what the dashboard charts)
+    held_out = [(r["held_out"], r["step"], r["eval/success_rate"]) for r in rows if "held_out" in r]
+    assert held_out == [
+        ("base", 0, 0.5),
+        ("warm_start", 0, 0.5),
+        ("step-1", 1, 0.5),
+        ("step-2", 2, 0.5),
+        ("final", 2, 0.5),
+    ]
     db = sqlite3.connect(run / "episodes.db")
     groups = Counter(
         g.rsplit("-", 1)[0]

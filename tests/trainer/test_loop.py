@@ -31,6 +31,7 @@ from areal_agents.trainer.critic import Critic
 from areal_agents.trainer.loop import Trainer, _algorithm, out_of_time_budget
 from areal_agents.trainer.policy import Policy, pack
 from areal_agents.trainer.rollout import GroupSource, SourceSettings
+from areal_agents.trainer.run_state import read_run_state
 from areal_agents.trainer.staleness import StalenessGate
 from areal_agents.trainer.step import policy_updates
 from areal_agents.trajectory import Completion, Episode
@@ -659,6 +660,9 @@ def test_kill_9_then_resume_loses_and_repeats_no_group(narrow_model_dir, tmp_pat
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    killed = read_run_state(out)  # the file still says running; readers say failed
+    assert killed is not None and killed.status == "running"
+    assert killed.effective().reason == f"process {proc.pid} is gone"
     done = subprocess.run(
         [*_train_cmd(narrow_model_dir, out, 4), "--resume"],
         env=env,
@@ -676,6 +680,9 @@ def test_kill_9_then_resume_loses_and_repeats_no_group(narrow_model_dir, tmp_pat
     unconsumed = set(range(state["next_group"])) - set(groups) - set(state["skipped_groups"])
     assert all(g >= max(groups) for g in unconsumed), "an earlier group was lost"
     assert (out / "final" / "config.json").exists()
+    resumed = read_run_state(out)
+    assert resumed is not None
+    assert (resumed.status, resumed.reason, resumed.step) == ("finished", "steps_done", 4)
 
 
 @pytest.mark.slow
