@@ -737,7 +737,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dic
     writer = run_file.RunStateWriter(cfg.train.output_dir, target_steps=cfg.train.steps)
     try:
         summary = _train(cfg, resume=resume, quiet=quiet)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (areal_agents.cli.main)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM (areal_agents.cli.main)
         writer.end("stopped", "stopped")
         raise
     except BaseException as exc:

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,32 @@ def test_a_refused_directory_keeps_its_run_json(tmp_path):
     with pytest.raises(ConfigError, match="already holds a run"):
         loop.train(_cfg(tmp_path, Path("unused"), "train.steps=2"), quiet=True)
     assert (run / "run.json").read_text() == before
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_cli_run_as_stopped(narrow_model_dir, tmp_path):
+    """``kill`` (SIGTERM) of ``areal-agent train``: the run's cleanup runs and its state
+    says stopped, at the step it reached."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "areal_agents.cli.main", "train", "--quiet"]
+    overrides = [f"{k}={v}" for k, v in (
+        ("env.id", "areal/Calculator-v0"), ("model.path", narrow_model_dir),
+        ("model.dtype", "float32"), ("rollout.group_size", 2), ("rollout.batch_size", 1),
+        ("sampling.max_new_tokens", 8), ("train.steps", 1000), ("metrics.tensorboard", "false"),
+        ("train.output_dir", out),
+    )]  # fmt: skip
+    proc = subprocess.Popen([*cmd, *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while True:
+        s = read_run_state(out)
+        if s is not None and s.step >= 1:
+            break
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    assert s.status == "running" and s.phase == "training" and s.pid == proc.pid
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    s = read_run_state(out)
+    assert s is not None and (s.status, s.reason) == ("stopped", "stopped")
+    assert 1 <= s.step < 1000 and s.ended_at is not None
