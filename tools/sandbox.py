@@ -14,7 +14,7 @@ kind               message
 ``process``        ``Error: process limit reached (at most 4 processes)``
 ``program``        ``Error: running other programs is disabled in the sandbox``
 ``file_size``      ``Error: file size limit of 64 MB exceeded``
-``disk``           ``Error: disk quota of 128 MB exceeded``
+``disk``           ``Error: disk quota of 128 MB exceeded`` (or ``of 8192 files``)
 ``exception``      ``Error: ZeroDivisionError: division by zero`` (traceback in stderr)
 ``exit``           ``Error: the code exited with status 3``
 ``signal``         ``Error: the process was killed by signal SIGSEGV``
@@ -36,15 +36,37 @@ further user namespaces. How each limit is enforced:
   of the launcher, never in the caller's.
 - **disk**: the working directory ``/sandbox`` (also ``HOME`` and ``TMPDIR``) and
   ``/dev/shm`` are tmpfs of ``disk_mb`` each, gone with the sandbox; ``RLIMIT_FSIZE`` bounds
-  any one file.
+  any one file. As root, the launcher mounts them itself (``size=``, ``nr_inodes=``) in its
+  private mount namespace, so each also holds at most 64 files per MB (at least 256): an
+  empty file costs a kernel inode. Otherwise bwrap's tmpfs (bytes only) are used.
 - **network**: an empty network namespace (only its own loopback); no host socket, Unix
   sockets included, is reachable, since nothing of the host's ``/run`` or ``/tmp`` is bound.
 - **time**: the parent waits ``timeout_s`` and kills bwrap, which takes the whole PID
   namespace with it; ``RLIMIT_CPU`` backs it up. A daemon (``setsid``, double fork) dies
   with the sandbox too.
-- **memory**: ``RLIMIT_AS`` in each process; Python raises ``MemoryError``.
+- **memory**: ``RLIMIT_AS`` in each process; Python raises ``MemoryError``. Where this
+  process can create a memory cgroup (root with the cgroup v1 memory controller mounted
+  read-write, or a cgroup v2 subtree with the memory controller), each run gets its own,
+  joined by the launcher before bwrap starts and removed after the run: it bounds the
+  sandbox as a whole, all processes, shared memory, tmpfs files and kernel memory together,
+  at ``memory_mb + 2 * disk_mb + 32`` MB (the tmpfs and bwrap's own processes); a process
+  the kernel kills there is reported as ``memory``. The seccomp filter (below) refuses
+  ``memfd_create``, ``memfd_secret`` and SysV ``shmget``: memory no process maps, which
+  ``RLIMIT_AS`` does not count. Without a cgroup (a warning is logged once) memory is
+  bounded per process only: the sum over ``max_processes`` forks and kernel buffers (pipes,
+  sockets) are not bounded.
+- **other processes**: a seccomp filter (``bwrap --seccomp``, built in
+  :mod:`areal_agents.tools.sandbox_seccomp`) refuses ``ptrace``, ``process_vm_readv``,
+  ``process_vm_writev`` and ``pidfd_getfd``, so no process of the sandbox can read or take
+  over another, bwrap's pid 1 included; and every system call of another ABI.
+- **status**: the child is two processes. Its monitor holds the pipe the status record
+  travels on, runs none of the code, and is not dumpable (no other process may open its
+  ``/proc/PID/fd`` or ``mem``); the runner, its fork, closes that pipe before the code runs
+  and tells the monitor how the code ended over a pipe of its own. The monitor believes that
+  report only where it matches the runner's exit status (a run that exits 0 succeeded) and
+  writes one record, of a known kind, with at most 500 characters of detail.
 - **processes**: ``RLIMIT_NPROC`` (counted per user namespace, so per sandbox) caps the
-  tasks alive at once at ``max_processes`` plus a few (bwrap itself, threads).
+  tasks alive at once at ``max_processes`` plus a few (bwrap itself, the monitor, threads).
 - **output**: stdout and stderr are read as they come and cut at ``max_output_chars``
   with a marker; the rest is drained and dropped.
 
@@ -64,15 +86,19 @@ hook's globals, ``os.open(..., dir_fd=...)``, ``_posixsubprocess``, ``ctypes`` o
 It does not protect: reading any file the caller can read (other processes'
 ``/proc/*/environ``, ``/etc/shadow`` as root), writing anywhere the caller can, running
 programs (as root, if the caller is), host Unix sockets, the process limit (root ignores
-``RLIMIT_NPROC``), a disk quota, and, without namespaces, daemons that outlive the call.
+``RLIMIT_NPROC``), a disk quota, memory as a whole (no cgroup, no seccomp filter: memfds,
+SysV segments, many forks), ``ptrace`` of the code's own processes, the monitor's status
+pipe as root, and, without namespaces, daemons that outlive the call.
 
 Without bubblewrap (or where it cannot create user namespaces) ``"bwrap"`` refuses to start
 with :class:`SandboxUnavailableError`; install it with ``apt-get install -y bubblewrap``.
 
 This module starts the child and supervises it, and makes the ``python`` tool. The limits,
 the result and its messages are in :mod:`areal_agents.tools.sandbox_limits`, the bubblewrap
-command and :func:`check_sandbox` in :mod:`areal_agents.tools.sandbox_bwrap`, and the program
-the child runs (limits, audit hook, the code) in :mod:`areal_agents.tools.sandbox_child`.
+command and :func:`check_sandbox` in :mod:`areal_agents.tools.sandbox_bwrap` (the memory
+cgroup in :mod:`areal_agents.tools.sandbox_cgroup`, the seccomp filter in
+:mod:`areal_agents.tools.sandbox_seccomp`), and the program the child runs (monitor, limits,
+audit hook, the code) in :mod:`areal_agents.tools.sandbox_child`.
 
 Example::
 
@@ -105,9 +131,13 @@ from areal_agents.tools.sandbox_bwrap import (
     bwrap_launch,
     check_sandbox,
     sandbox_verified,
+    setup_error,
+    setup_failure,
 )
 from areal_agents.tools.sandbox_child import CHILD_SOURCE
 from areal_agents.tools.sandbox_limits import (
+    DETAIL_CHARS,
+    ERROR_KINDS,
     ISOLATION_ENV,
     ISOLATIONS,
     SandboxLimits,
@@ -197,15 +227,20 @@ def _kill_group(pgid: int) -> None:
 
 
 def _parse_status(data: bytes) -> dict[str, Any] | None:
-    """The record written by the main process, else the first one written by a fork."""
-    records: list[dict[str, Any]] = []
+    """The child's status record (its monitor writes exactly one), checked and bounded."""
     for line in data.decode("utf-8", errors="replace").splitlines():
         with contextlib.suppress(ValueError):
             rec = json.loads(line)
-            if isinstance(rec, dict):
-                records.append(rec)
-    main = [rec for rec in records if rec.get("main")]
-    return (main or records)[0] if records else None
+            if not isinstance(rec, dict):
+                continue
+            kind, detail, returncode = rec.get("kind"), rec.get("detail"), rec.get("returncode")
+            if (
+                (kind is None or kind in ERROR_KINDS)
+                and isinstance(detail, str)
+                and (type(returncode) is int)
+            ):
+                return {"kind": kind, "detail": detail[:DETAIL_CHARS], "returncode": returncode}
+    return None
 
 
 async def run_python(
@@ -226,13 +261,16 @@ async def run_python(
     Args:
         code: Python source, run as ``__main__`` in a private temporary directory.
         timeout_s: wall-time limit; the sandbox is killed after it.
-        memory_mb: address-space limit of each process (``RLIMIT_AS``).
+        memory_mb: address-space limit of each process (``RLIMIT_AS``) and, where a
+            memory cgroup can be made (``"bwrap"`` only), of the whole sandbox (plus twice
+            ``disk_mb`` for its tmpfs and 32 MB for bwrap and the monitor).
         max_output_chars: stdout and stderr are each cut after this many characters.
         max_processes: how many processes the code may start in all (forks included).
         max_file_mb: the largest file the code may write.
         allow_subprocess: allow starting other programs (they escape the audit hook;
             only the sandbox and the kernel-level limits apply to them).
-        disk_mb: the size of the private directory (and of ``/dev/shm``), ``"bwrap"`` only.
+        disk_mb: the size of the private directory (and of ``/dev/shm``), ``"bwrap"`` only;
+            as root each also holds at most 64 files per MB (at least 256).
         isolation: ``"bwrap"`` (bubblewrap, unprivileged user, the security boundary) or
             ``"process"`` (the weaker in-process checks, see the module docstring);
             ``None`` reads ``$AREAL_SANDBOX_ISOLATION``, defaulting to ``"bwrap"``.
@@ -264,6 +302,7 @@ async def run_python(
             await asyncio.to_thread(check_sandbox, "bwrap")
         launch = bwrap_launch(limits)
         prefix, work, path = launch.prefix, BWRAP_WORK_DIR, SANDBOX_PATH
+        pass_fds = launch.pass_fds
     else:
         prefix = list(_namespace_prefix()) if use_namespaces in (None, True) else []
         if use_namespaces and not prefix:
@@ -272,7 +311,13 @@ async def run_python(
         work = os.path.join(root, "work")
         os.mkdir(work, 0o700)
         path = os.environ.get("PATH", SANDBOX_PATH)
-    status_r, status_w = os.pipe()
+        pass_fds = ()
+    try:
+        status_r, status_w = os.pipe()
+    except BaseException:
+        if launch is not None:
+            await launch.acleanup()
+        raise
     start = time.monotonic()
     proc: asyncio.subprocess.Process | None = None
     try:
@@ -294,11 +339,13 @@ async def run_python(
                 env=_child_env(work, path),
                 cwd=work if root is not None else "/",
                 start_new_session=True,
-                pass_fds=(status_w,),
+                pass_fds=(status_w, *pass_fds),
             )
         finally:
             os.close(status_w)
-        return await _supervise(proc, code, start, status_r, limits)
+            if launch is not None:
+                launch.close_fds()
+        return await _supervise(proc, code, start, status_r, limits, launch)
     finally:  # also on cancellation: nothing outlives the call
         if proc is not None:
             _kill_group(proc.pid)
@@ -310,7 +357,7 @@ async def run_python(
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
         if launch is not None:
-            launch.cleanup()
+            await launch.acleanup()
 
 
 async def _exit_status(proc: asyncio.subprocess.Process) -> int:
@@ -342,6 +389,7 @@ async def _supervise(
     start: float,
     status_fd: int,
     limits: SandboxLimits,
+    launch: BwrapLaunch | None,
 ) -> SandboxResult:
     """Feed the code, wait up to the time limit, kill the group, collect the result."""
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
@@ -378,10 +426,19 @@ async def _supervise(
         status_transport.close()
     error: str | None
     record = _parse_status(bytes(status.data))
-    if limits.isolation == "bwrap" and record is None and 128 < returncode < 128 + 65:
-        returncode = 128 - returncode  # bwrap reports a signal N as exit status 128 + N
+    if record is not None:
+        returncode = record["returncode"]  # the code's own exit status, from the monitor
+    elif launch is not None:
+        failure = setup_failure(err.data.decode("utf-8", errors="replace"), launch.token)
+        if failure is not None and returncode == 125:
+            raise SandboxUnavailableError(setup_error(failure))
+        if 128 < returncode < 128 + 65:
+            returncode = 128 - returncode  # bwrap reports a signal N as exit status 128 + N
     if timed_out:
         error, message = "timeout", f"Error: timed out after {float(limits.timeout_s)} s"
+    elif launch is not None and launch.oom_kills() > 0:
+        # The kernel killed a process of the sandbox at the memory cgroup's limit.
+        error, message = "memory", f"Error: memory limit of {limits.memory_mb} MB exceeded"
     else:
         error, message = limits.describe(record, returncode)
     stdout, cut_out = out.text(limits.max_output_chars)

@@ -3,39 +3,58 @@ it can run here.
 
 :func:`bwrap_launch` builds the command prefix: fresh namespaces, a read-only root holding
 only the system and Python directories, private tmpfs for the working directory and
-``/dev/shm``, and, as root, privileges dropped by ``setpriv`` (with unreachable Python
-directories staged through a private mount namespace). :func:`check_sandbox` starts one
-sandbox per process to see that this works, and raises :class:`SandboxUnavailableError`
-naming the fix when it does not. See :mod:`areal_agents.tools.sandbox` for what each limit
+``/dev/shm`` (as root, mounted by the launcher with a file limit too), the seccomp filter of
+:mod:`~areal_agents.tools.sandbox_seccomp`, a memory cgroup for the run where one can be made
+(:mod:`~areal_agents.tools.sandbox_cgroup`), and, as root, privileges dropped by ``setpriv``
+(with unreachable Python directories staged through a private mount namespace).
+:func:`check_sandbox` starts one sandbox per process to see that this works, and raises
+:class:`SandboxUnavailableError` naming the fix when it does not. Where the machine allows
+less (no memory cgroup, no file limit, no seccomp filter for its architecture) a warning
+says once what is not bounded. See :mod:`areal_agents.tools.sandbox` for what each limit
 relies on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from areal_agents.tools.sandbox_cgroup import (
+    MemoryCgroup,
+    create_memory_cgroup,
+    memory_cgroup_parent,
+)
 from areal_agents.tools.sandbox_limits import (
     ISOLATION_ENV,
     SandboxLimits,
     SandboxUnavailableError,
     default_isolation,
 )
+from areal_agents.tools.sandbox_seccomp import seccomp_program
 
 __all__ = [
     "BWRAP_WORK_DIR",
     "SANDBOX_PATH",
     "SANDBOX_UID",
+    "SETUP_MARKER",
     "BwrapLaunch",
     "bwrap_launch",
     "check_sandbox",
     "sandbox_verified",
+    "setup_error",
+    "setup_failure",
+    "tmpfs_file_limit",
 ]
+
+log = logging.getLogger(__name__)
 
 SANDBOX_UID = 65534
 """The host uid (and gid) the code runs as when the caller is root (``nobody``)."""
@@ -52,11 +71,22 @@ _FIX_HINT = {
     "setpriv": "It is part of util-linux: `apt-get install -y util-linux`.",
     "unshare": "It is part of util-linux: `apt-get install -y util-linux`.",
 }
-# Run by /bin/sh in the launcher's private mount namespace: bind each unreachable Python
-# directory onto its empty mount point, then exec the rest (setpriv ... bwrap ...).
-_STAGE_SCRIPT = (
-    'n=$1; shift; while [ "$n" -gt 0 ]; do mount --bind -- "$1" "$2" || exit 125; '
-    'shift 2; n=$((n - 1)); done; exec "$@"'
+SETUP_MARKER = "areal-sandbox-setup"
+"""How the launcher's setup script starts its error line (then ``[token]:``; exit status
+125). The token is the launch's own, so the code cannot print a setup failure."""
+# Run by /bin/sh as the launcher (as root: in its private mount namespace): join the memory
+# cgroup (if any), mount each tmpfs with its size and file limit, bind each unreachable
+# Python directory onto its empty mount point, then exec the rest (setpriv ... bwrap ...).
+# Arguments: token, cgroup.procs file or "", N, N (options, mount point) pairs, M, M
+# (source, mount point) pairs, the command.
+_SETUP_SCRIPT = (
+    f'token=$1; shift; fail() {{ echo "{SETUP_MARKER}[$token]: $*" >&2; exit 125; }}; '
+    'cg=$1; shift; if [ -n "$cg" ]; then '
+    'echo $$ > "$cg" || fail "cannot join the memory cgroup ($cg)"; fi; '
+    'n=$1; shift; while [ "$n" -gt 0 ]; do mount -n -t tmpfs -o "$1" tmpfs "$2" || '
+    'fail "cannot mount a tmpfs on $2"; shift 2; n=$((n - 1)); done; '
+    'n=$1; shift; while [ "$n" -gt 0 ]; do mount -n --bind -- "$1" "$2" || '
+    'fail "cannot bind $1 onto $2"; shift 2; n=$((n - 1)); done; exec "$@"'
 )
 
 
@@ -128,21 +158,55 @@ def _system_binds() -> list[str]:
 
 @dataclass
 class BwrapLaunch:
-    """How to start one bwrap sandbox: the command prefix and what to clean up after."""
+    """How to start one bwrap sandbox: the command prefix, the descriptors it needs (the
+    seccomp filter), its memory cgroup, and what to clean up after."""
 
     prefix: list[str]
     stage_root: str | None = None
+    pass_fds: tuple[int, ...] = ()
+    cgroup: MemoryCgroup | None = None
+    token: str = field(default_factory=lambda: secrets.token_hex(8))
 
-    def cleanup(self) -> None:
+    def oom_kills(self) -> int:
+        """How many of the sandbox's processes the kernel killed for memory (0 without a
+        cgroup)."""
+        return self.cgroup.oom_kills() if self.cgroup is not None else 0
+
+    def close_fds(self) -> None:
+        """Close the launcher's copies of the descriptors (once the sandbox has started)."""
+        for fd in self.pass_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.pass_fds = ()
+
+    def _remove_stage(self) -> None:
         if self.stage_root is None:
             return
-        # Only empty mount points: the binds onto them live in the launcher's private mount
+        # Only empty mount points: the mounts on them live in the launcher's private mount
         # namespace, never in ours. rmdir (not rmtree) keeps it that way even if one leaked.
         for name in sorted(os.listdir(self.stage_root), reverse=True):
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(self.stage_root, name))
         with contextlib.suppress(OSError):
             os.rmdir(self.stage_root)
+        self.stage_root = None
+
+    def cleanup(self) -> None:
+        """Close the descriptors, remove the memory cgroup (killing what is left in it) and
+        the staging directory."""
+        self.close_fds()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
+        self._remove_stage()
+
+    async def acleanup(self) -> None:
+        """:meth:`cleanup` without blocking the event loop."""
+        self.close_fds()
+        if self.cgroup is not None:
+            await self.cgroup.aremove()
+            self.cgroup = None
+        self._remove_stage()
 
 
 def _which(program: str) -> str:
@@ -154,14 +218,101 @@ def _which(program: str) -> str:
     return path
 
 
+def _readable_fd(data: bytes) -> int:
+    """A pipe's read end holding ``data`` (small enough for the pipe buffer), then EOF."""
+    r, w = os.pipe()
+    try:
+        os.write(w, data)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return r
+
+
+_warned = False
+
+
+def _warn_weaker(seccomp: bool, cgroup: bool, file_limit: bool) -> None:
+    """Log once what this machine's sandbox does not bound (see the README's sandbox
+    section)."""
+    global _warned
+    gaps = []
+    if not cgroup:
+        why = memory_cgroup_parent()[1]
+        denied = (
+            "the seccomp filter refuses memfd_create and SysV shmget, and the tmpfs are "
+            "bounded by disk_mb, but"
+            if seccomp
+            else "and"
+        )
+        gaps.append(
+            f"no memory cgroup ({why}): memory is bounded per process (RLIMIT_AS), not as a "
+            f"whole; {denied} other kernel memory (pipe buffers, sockets) and the sum over "
+            "the sandbox's processes are not bounded. Run as root on a machine that mounts "
+            "the cgroup memory controller read-write, or delegate a cgroup v2 subtree with "
+            "the memory controller to this user"
+        )
+    if not seccomp:
+        gaps.append(
+            "no seccomp filter for this architecture (x86_64 and aarch64 only): ptrace, "
+            "memfd_create and SysV shared memory are allowed in the sandbox"
+        )
+    if not file_limit:
+        gaps.append(
+            "the tmpfs are limited in bytes, not in files (the launcher mounts them with a "
+            "file limit only as root, with CAP_SYS_ADMIN for a private mount namespace)"
+        )
+    if gaps and not _warned:
+        _warned = True
+        log.warning("The Python sandbox has weaker guarantees here: %s.", "; ".join(gaps))
+
+
+@functools.cache
+def _root_can_mount() -> bool:
+    """Whether the launcher (root) can mount a tmpfs in a private mount namespace."""
+    unshare = shutil.which("unshare", path="/usr/bin:/bin:/usr/sbin:/sbin")
+    if unshare is None:
+        return False
+    point = tempfile.mkdtemp(prefix="areal-sandbox-probe-", dir="/tmp")
+    try:
+        done = subprocess.run(
+            [unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+             'mount -n -t tmpfs -o size=65536,nr_inodes=16 tmpfs "$1"', "sh", point],
+            capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        return done.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(point)
+
+
+def tmpfs_file_limit() -> bool:
+    """Whether the sandbox's tmpfs are limited in files as well as bytes here (the launcher
+    mounts them itself: root, allowed a private mount namespace)."""
+    return os.geteuid() == 0 and _root_can_mount()
+
+
+def _stage_dir() -> str:
+    stage_root = tempfile.mkdtemp(prefix="areal-sandbox-stage-", dir="/tmp")
+    os.chmod(stage_root, 0o755)
+    return stage_root
+
+
 def bwrap_launch(limits: SandboxLimits) -> BwrapLaunch:
     """The command that runs a program under bubblewrap, as an unprivileged user.
 
-    As root, privileges are dropped to :data:`SANDBOX_UID` before bwrap starts (bwrap run by
-    root would map the sandbox user to host root). Python installation directories that
-    user cannot reach (``/root/.pyenv``, a root-only venv) are first bound onto empty,
-    world-readable mount points in a private mount namespace of the launcher (``unshare``),
-    so that bwrap can bind them from there; no mount is made in the caller's namespace.
+    bwrap loads the seccomp filter of :mod:`~areal_agents.tools.sandbox_seccomp`. Where a
+    memory cgroup can be made (:mod:`~areal_agents.tools.sandbox_cgroup`) the launcher joins
+    it first (``/bin/sh``), so the whole sandbox is in it. As root, the launcher runs in a
+    private mount namespace (``unshare``) where it mounts the two tmpfs (size and file limit)
+    and binds Python installation directories the sandbox user cannot reach
+    (``/root/.pyenv``) onto empty, world-readable mount points; bwrap binds them from there,
+    and no mount is made in the caller's namespace. Then privileges are dropped to
+    :data:`SANDBOX_UID` (bwrap run by root would map the sandbox user to host root).
     """
     if not sys.platform.startswith("linux"):
         raise SandboxUnavailableError(
@@ -170,39 +321,89 @@ def bwrap_launch(limits: SandboxLimits) -> BwrapLaunch:
         )
     bwrap = _which("bwrap")
     disk = str(limits.disk_mb * 1024 * 1024)
+    root = os.geteuid() == 0
     args = [
         bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
         "--new-session", "--hostname", "sandbox", *_system_binds(),
-        "--proc", "/proc", "--dev", "/dev", "--size", disk, "--tmpfs", "/dev/shm",
-        "--size", disk, "--tmpfs", BWRAP_WORK_DIR, "--chdir", BWRAP_WORK_DIR,
+        "--proc", "/proc", "--dev", "/dev",
     ]  # fmt: skip
-    root = os.geteuid() == 0
-    stage_root: str | None = None
-    stage: list[str] = []
+    launch = BwrapLaunch([])
     try:
+        program = seccomp_program()
+        if program is not None:
+            launch.pass_fds = (_readable_fd(program),)
+            args += ["--seccomp", str(launch.pass_fds[0])]  # every bwrap version has it
+        try:
+            launch.cgroup = create_memory_cgroup(limits.cgroup_bytes)
+        except OSError as exc:
+            raise SandboxUnavailableError(
+                f"could not create the sandbox's memory cgroup: {exc}. It worked when this "
+                "process started; check what removed or filled the cgroup hierarchy "
+                "(`cat /proc/self/cgroup`), or opt into the weaker in-process sandbox with "
+                f"isolation='process' ({ISOLATION_ENV}=process)."
+            ) from exc
+        file_limit = tmpfs_file_limit()
+        _warn_weaker(program is not None, launch.cgroup is not None, file_limit)
+        tmpfs: list[str] = []  # (options, mount point) pairs, mounted by the launcher
+        binds: list[str] = []  # (source, mount point) pairs, bound by the launcher
+        if file_limit:
+            launch.stage_root = _stage_dir()
+            for name, dest, mode in (("shm", "/dev/shm", "1777"), ("work", BWRAP_WORK_DIR, "700")):
+                point = os.path.join(launch.stage_root, name)
+                os.mkdir(point, 0o755)
+                tmpfs += [f"size={disk},nr_inodes={limits.max_files},mode={mode},"
+                          f"uid={SANDBOX_UID},gid={SANDBOX_UID},nosuid,nodev", point]  # fmt: skip
+                args += ["--bind", point, dest]
+        else:
+            args += ["--size", disk, "--tmpfs", "/dev/shm", "--size", disk, "--tmpfs",
+                     BWRAP_WORK_DIR]  # fmt: skip
+        args += ["--chdir", BWRAP_WORK_DIR]
         for path in _python_paths():
             source = path
             if root and not _reachable_by(path, SANDBOX_UID, SANDBOX_UID):
-                if stage_root is None:
-                    stage_root = tempfile.mkdtemp(prefix="areal-sandbox-stage-", dir="/tmp")
-                    os.chmod(stage_root, 0o755)
-                source = os.path.join(stage_root, str(len(stage) // 2))
+                if launch.stage_root is None:
+                    launch.stage_root = _stage_dir()
+                source = os.path.join(launch.stage_root, str(len(binds) // 2))
                 os.mkdir(source, 0o755)
-                stage += [path, source]
+                binds += [path, source]
             args += ["--ro-bind", source, path]
         args += ["--remount-ro", "/dev", "--remount-ro", "/", "--"]
-        if not root:
-            return BwrapLaunch(args)
-        drop = [_which("setpriv"), f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}",
-                "--clear-groups", "--inh-caps=-all", "--no-new-privs", "--"]  # fmt: skip
-        if not stage:
-            return BwrapLaunch([*drop, *args])
-        launcher = [_which("unshare"), "--mount", "--propagation", "private", "--",
-                    "/bin/sh", "-c", _STAGE_SCRIPT, "sh", str(len(stage) // 2), *stage]  # fmt: skip
-        return BwrapLaunch([*launcher, *drop, *args], stage_root)
+        if root:
+            drop = [_which("setpriv"), f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}",
+                    "--clear-groups", "--inh-caps=-all", "--no-new-privs", "--"]  # fmt: skip
+            args = [*drop, *args]
+        if tmpfs or binds or launch.cgroup is not None:
+            procs = launch.cgroup.procs_file if launch.cgroup is not None else ""
+            setup = ["/bin/sh", "-c", _SETUP_SCRIPT, "sh", launch.token, procs,
+                     str(len(tmpfs) // 2), *tmpfs, str(len(binds) // 2), *binds]  # fmt: skip
+            if tmpfs or binds:
+                setup = [_which("unshare"), "--mount", "--propagation", "private", "--", *setup]
+            args = [*setup, *args]
+        launch.prefix = args
+        return launch
     except BaseException:
-        BwrapLaunch([], stage_root).cleanup()
+        launch.cleanup()
         raise
+
+
+def setup_error(failure: str) -> str:
+    """The message of :class:`SandboxUnavailableError` for a failed launcher setup."""
+    return (
+        f"the sandbox's launcher could not set it up: {failure}. Check that this process "
+        "may write to its memory cgroup and mount in a private mount namespace (root with "
+        f"CAP_SYS_ADMIN), or opt into the weaker in-process sandbox with isolation='process' "
+        f"({ISOLATION_ENV}=process)."
+    )
+
+
+def setup_failure(stderr: str, token: str) -> str | None:
+    """The launcher's own failure (joining the cgroup, mounting), if ``stderr`` reports one
+    with the launch's ``token``."""
+    marker = f"{SETUP_MARKER}[{token}]:"
+    for line in stderr.splitlines():
+        if line.startswith(marker):
+            return line[len(marker) :].strip()
+    return None
 
 
 _verified: set[tuple[int, str]] = set()  # (euid, interpreter) pairs that passed the check
@@ -224,19 +425,24 @@ def check_sandbox(isolation: str | None = None) -> None:
     if mode != "bwrap" or sandbox_verified():
         return
     launch = bwrap_launch(SandboxLimits(isolation="bwrap"))
+    probe = f"import os; open({BWRAP_WORK_DIR + '/probe'!r}, 'w').close(); print(os.getuid())"
     try:
         done = subprocess.run(
-            [*launch.prefix, sys.executable, "-I", "-S", "-c", "import os; print(os.getuid())"],
+            [*launch.prefix, sys.executable, "-I", "-S", "-c", probe],
             capture_output=True,
             timeout=60,
             env={"PATH": SANDBOX_PATH, "LC_ALL": "C.UTF-8"},
             stdin=subprocess.DEVNULL,
+            pass_fds=launch.pass_fds,
         )
     except (OSError, subprocess.SubprocessError) as exc:
         raise SandboxUnavailableError(f"bubblewrap could not be started: {exc}") from exc
     finally:
         launch.cleanup()
     uid = done.stdout.decode(errors="replace").strip()
+    failure = setup_failure(done.stderr.decode(errors="replace"), launch.token)
+    if failure is not None:
+        raise SandboxUnavailableError(setup_error(failure))
     if done.returncode != 0 or uid != str(_expected_sandbox_uid()):
         detail = done.stderr.decode(errors="replace").strip()[-600:] or f"uid {uid!r}"
         raise SandboxUnavailableError(

@@ -1,15 +1,20 @@
-"""The program a sandboxed child runs: limits, the audit-hook guard, then the model's code.
+"""The program a sandboxed child runs: a monitor, then limits, the audit-hook guard and the
+model's code in a fork of it.
 
 The launcher (:mod:`areal_agents.tools.sandbox`) starts ``python -I -u -B -c CHILD_SOURCE work
-status_fd config``, with the code on stdin. The child reads the code, applies the resource
-limits of ``config`` (:meth:`~areal_agents.tools.sandbox_limits.SandboxLimits.child_config`),
-installs an audit hook (``sys.addaudithook``) that refuses sockets, writes outside ``work``,
-running programs and forks beyond ``max_processes`` with precise messages, and runs the code
-as ``__main__``. Stdlib only; every record it writes to the status pipe is one JSON line
-(``kind``, ``detail``, whether the main process wrote it), which the launcher maps to the
-``"Error: ..."`` message a model reads. The hook is plain Python the code can switch off: no
-guarantee rests on it (the bubblewrap sandbox, :mod:`areal_agents.tools.sandbox_bwrap`, is
-the boundary).
+status_fd config``, with the code on stdin. That process, the monitor, reads the code, makes
+itself non-dumpable (no other process of the sandbox may open its ``/proc/PID/fd`` or
+``mem``) and forks the runner, which closes the status pipe, applies the resource limits of
+``config`` (:meth:`~areal_agents.tools.sandbox_limits.SandboxLimits.child_config`), installs an
+audit hook (``sys.addaudithook``) that refuses sockets, writes outside ``work``, running
+programs and forks beyond ``max_processes`` with precise messages, and runs the code as
+``__main__``. The runner reports how the code ended (``kind``, ``detail``, its pid) on a
+report pipe; the monitor runs no code of the model, reads that pipe as untrusted input
+(bounded lines, known kinds, a report that does not match the runner's exit status is
+dropped), waits for the runner, and writes the one status record the launcher reads:
+``kind``, ``detail`` (at most 500 characters) and the runner's exit status. Stdlib only. The
+hook is plain Python the code can switch off: no guarantee rests on it (the bubblewrap
+sandbox, :mod:`areal_agents.tools.sandbox_bwrap`, is the boundary).
 """
 
 from __future__ import annotations
@@ -17,22 +22,126 @@ from __future__ import annotations
 __all__ = ["CHILD_SOURCE"]
 
 CHILD_SOURCE = r"""
-import builtins, errno, json, linecache, os, resource, signal, sys, traceback
+import builtins, ctypes, errno, json, linecache, os, resource, select, signal, sys, traceback
 from _socket import AF_UNIX
 
-work, status_fd, cfg = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-code = sys.stdin.read()
-sys.stdin.close()
-sys.stdin = open(os.devnull)
-os.chdir(work)
-os.set_inheritable(status_fd, False)
+KINDS = ("memory", "network", "write", "process", "program", "file_size", "disk",
+         "exception", "exit")
+LINE_CAP = 4096  # longer report lines are dropped
+DETAIL_CAP = 500
+
+
+def parse_report(line):
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(rec, dict):
+        return None
+    kind, detail, pid = rec.get("kind"), rec.get("detail", ""), rec.get("pid")
+    if kind not in KINDS or not isinstance(detail, str) or type(pid) is not int:
+        return None
+    return {"kind": kind, "detail": detail[:DETAIL_CAP], "pid": pid}
+
+
+def monitor(runner, report_r, status_fd):
+    # Runs no code of the model. Waits for the runner, reads what it reported (the model's
+    # code may have written there too, so it is checked and bounded), and writes the one
+    # status record the launcher reads.
+    os.set_blocking(report_r, False)
+    try:
+        pidfd = os.pidfd_open(runner)
+    except (AttributeError, OSError):
+        pidfd = -1
+    found = {"own": None, "fork": None, "pending": b"", "skip": False}
+
+    def drain():
+        for _ in range(16):  # bounded: forks may keep writing
+            try:
+                chunk = os.read(report_r, 65536)
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            lines = (found["pending"] + chunk).split(b"\n")
+            found["pending"] = lines.pop()
+            for line in lines:
+                if found["skip"]:
+                    found["skip"] = False
+                    continue
+                rec = parse_report(line)
+                if rec is None:
+                    continue
+                if rec["pid"] == runner:
+                    found["own"] = rec
+                elif found["fork"] is None:
+                    found["fork"] = rec
+            if len(found["pending"]) > LINE_CAP:
+                found["pending"], found["skip"] = b"", True
+        return True
+
+    reading, status = True, None
+    while status is None:
+        wait = ([pidfd] if pidfd >= 0 else []) + ([report_r] if reading else [])
+        ready = select.select(wait, [], [], None if pidfd >= 0 else 0.02)[0]
+        if report_r in ready:
+            reading = drain()
+        if pidfd < 0 or pidfd in ready:
+            pid, waited = os.waitpid(runner, os.WNOHANG)
+            if pid == runner:
+                status = waited
+    drain()
+    returncode = os.waitstatus_to_exitcode(status)
+    rec = found["own"] or found["fork"]
+    kind, detail = None, ""
+    # The runner exits 1 after an exception and N after sys.exit(N): a report that does not
+    # match how it ended is not believed; a run that ended with status 0 succeeded.
+    if rec is not None and returncode > 0:
+        if (rec["detail"] == str(returncode)) if rec["kind"] == "exit" else returncode == 1:
+            kind, detail = rec["kind"], rec["detail"]
+    line = json.dumps({"kind": kind, "detail": detail, "returncode": returncode})
+    os.write(status_fd, (line + "\n").encode())
+    os._exit(returncode if returncode >= 0 else 128 - returncode)
+
+
+def start():
+    # The monitor: holds the status pipe, starts the runner, and never returns in itself.
+    work, status_fd, cfg = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    code = sys.stdin.read()
+    sys.stdin.close()
+    os.chdir(work)
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only
+    if prctl is not None:
+        prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: none may open its /proc/PID/fd or mem
+    report_r, report_w = os.pipe()
+    runner = os.fork()
+    if runner == 0:
+        os.close(report_r)
+        os.close(status_fd)
+        if prctl is not None:
+            prctl(4, 1, 0, 0, 0)
+        sys.stdin = open(os.devnull)
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")  # the runner and its forks are what the OOM killer takes
+        except OSError:
+            pass
+        return code, cfg, work, report_w
+    os.close(report_w)
+    monitor(runner, report_r, status_fd)
+
+
+code, cfg, work, report_fd = start()
+del start, monitor
+os.set_inheritable(report_fd, False)
 main_pid = os.getpid()
 
 
 def record(kind, detail=""):
-    line = json.dumps({"kind": kind, "detail": detail, "main": os.getpid() == main_pid})
+    line = json.dumps({"kind": kind, "detail": detail[:DETAIL_CAP], "pid": os.getpid()})
     try:
-        os.write(status_fd, (line + "\n").encode())
+        os.set_blocking(report_fd, False)
+        os.write(report_fd, (line + "\n").encode())
     except OSError:
         pass
 
@@ -182,7 +291,11 @@ except BaseException as e:
     elif isinstance(e, OSError) and e.errno == errno.EFBIG:
         record("file_size")
     elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        record("disk")
+        try:
+            files_left = os.statvfs(work).f_favail
+        except OSError:
+            files_left = 1
+        record("disk", "files" if files_left == 0 else "")
     else:
         record("exception", (type(e).__name__ + ": " + str(e))[:500])
     namespace.clear()

@@ -19,6 +19,8 @@ from typing import Any
 from areal_agents.errors import UserError
 
 __all__ = [
+    "DETAIL_CHARS",
+    "ERROR_KINDS",
     "ISOLATIONS",
     "ISOLATION_ENV",
     "SandboxLimits",
@@ -32,8 +34,17 @@ ISOLATIONS = ("bwrap", "process")
 ISOLATION_ENV = "AREAL_SANDBOX_ISOLATION"
 """The environment variable that sets the default isolation."""
 
-_BWRAP_BASE_TASKS = 2  # tasks of the sandbox's user namespace before the code forks
+_BWRAP_BASE_TASKS = 3  # bwrap's pid 1, the monitor and the runner, before the code forks
 _THREAD_ALLOWANCE = 8  # RLIMIT_NPROC counts threads too
+_SANDBOX_OVERHEAD_MB = 32  # bwrap and the child's monitor, in the memory cgroup
+_FILES_PER_MB = 64  # files (inodes) allowed per MB of each tmpfs, at least _MIN_FILES
+_MIN_FILES = 256
+DETAIL_CHARS = 500
+"""The most characters of a status record's detail (an exception's text, a path) kept."""
+ERROR_KINDS = ("memory", "network", "write", "process", "program", "file_size", "disk",
+               "exception", "exit")  # fmt: skip
+"""The error kinds a status record may carry (``timeout`` and ``signal`` come from the
+launcher)."""
 
 
 def default_isolation() -> str:
@@ -87,6 +98,20 @@ class SandboxLimits:
         }
 
     @property
+    def cgroup_bytes(self) -> int:
+        """The memory cgroup's limit: the whole sandbox, all processes together.
+
+        ``memory_mb`` for the code, ``disk_mb`` for each of its two tmpfs (their files are
+        memory too) and a fixed allowance for bubblewrap and the child's monitor.
+        """
+        return (self.memory_mb + 2 * self.disk_mb + _SANDBOX_OVERHEAD_MB) * 1024 * 1024
+
+    @property
+    def max_files(self) -> int:
+        """How many files (inodes) each tmpfs holds: 64 per MB of ``disk_mb``, at least 256."""
+        return max(_MIN_FILES, self.disk_mb * _FILES_PER_MB)
+
+    @property
     def cpu_s(self) -> int:
         """The CPU-time limit of each process (``RLIMIT_CPU``), a backstop to the wall time."""
         return math.ceil(self.timeout_s) + 1
@@ -96,7 +121,7 @@ class SandboxLimits:
     ) -> tuple[str | None, str]:
         """Map the child's status record and exit status to (error kind, message)."""
         kind = rec.get("kind") if rec else None
-        detail = str(rec.get("detail", "")) if rec else ""
+        detail = str(rec.get("detail", ""))[:DETAIL_CHARS] if rec else ""
         messages = {
             "memory": f"Error: memory limit of {self.memory_mb} MB exceeded",
             "network": "Error: network access is disabled in the sandbox",
@@ -105,7 +130,9 @@ class SandboxLimits:
             "program": "Error: running other programs is disabled in the sandbox "
             "(subprocess, os.system, os.exec*)",
             "file_size": f"Error: file size limit of {self.max_file_mb} MB exceeded",
-            "disk": f"Error: disk quota of {self.disk_mb} MB exceeded",
+            "disk": f"Error: disk quota of {self.max_files} files exceeded"
+            if detail == "files"
+            else f"Error: disk quota of {self.disk_mb} MB exceeded",
             "exception": f"Error: {detail}",
             "exit": f"Error: the code exited with status {detail}",
         }

@@ -6,12 +6,16 @@ tests run under the default isolation (bubblewrap); escape attempts are in
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import areal_agents.tools.sandbox_bwrap as sandbox_bwrap
+import areal_agents.tools.sandbox_cgroup as sandbox_cgroup
 from areal_agents.tools.sandbox import (
     SandboxLimits,
     SandboxUnavailableError,
@@ -21,6 +25,7 @@ from areal_agents.tools.sandbox import (
     run_python,
     run_python_sync,
 )
+from areal_agents.tools.sandbox_cgroup import memory_cgroup_parent
 from areal_agents.tools.tool import Tool
 
 FAST: dict[str, Any] = {"timeout_s": 5.0, "memory_mb": 256, "max_output_chars": 2000}
@@ -311,3 +316,56 @@ def test_bubblewrap_without_user_namespaces_refuses_with_the_fix(
     assert "setting up uid map: Permission denied" in text
     assert "user.max_user_namespaces" in text and "isolation='process'" in text
     check_sandbox("process")  # always available
+
+
+async def test_each_run_has_its_own_memory_cgroup_removed_after_it() -> None:
+    parent, why = memory_cgroup_parent()
+    if parent is None:
+        pytest.skip(f"no memory cgroup here ({why})")
+    mine = f"areal-sandbox-{os.getpid()}-"
+    limit_file = "memory.limit_in_bytes" if parent.version == 1 else "memory.max"
+    task = asyncio.ensure_future(run_python("import time\ntime.sleep(1)", **FAST, disk_mb=8))
+    limits: list[int] = []
+    while not task.done() and not limits:
+        for name in os.listdir(parent.path):
+            with contextlib.suppress(OSError, ValueError):
+                if name.startswith(mine):
+                    with open(os.path.join(parent.path, name, limit_file)) as f:
+                        limits.append(int(f.read()))
+        await asyncio.sleep(0.02)
+    assert (await task).ok
+    assert limits == [SandboxLimits(memory_mb=256, disk_mb=8).cgroup_bytes]  # 304 MB
+    assert not [name for name in os.listdir(parent.path) if name.startswith(mine)]
+
+
+async def test_without_a_memory_cgroup_it_warns_once_and_refuses_shared_memory(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_cgroup() -> tuple[None, str]:
+        return None, "the test took it away"
+
+    monkeypatch.setattr(sandbox_cgroup, "memory_cgroup_parent", no_cgroup)
+    monkeypatch.setattr(sandbox_bwrap, "memory_cgroup_parent", no_cgroup)
+    monkeypatch.setattr(sandbox_bwrap, "_warned", False)
+    code = "import os\ntry:\n    os.memfd_create('x')\nexcept OSError as e:\n    print(e.strerror)"
+    with caplog.at_level(logging.WARNING, logger="areal_agents.tools.sandbox_bwrap"):
+        results = [await run_python(code, **FAST) for _ in range(2)]
+    assert [r.stdout for r in results] == ["Operation not permitted\n"] * 2
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "no memory cgroup (the test took it away)" in warnings[0]
+    assert "memory is bounded per process (RLIMIT_AS), not as a whole" in warnings[0]
+
+
+async def test_a_launcher_that_cannot_join_its_cgroup_refuses_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The code cannot pass for the launcher: its marker lacks the launch's token.
+    code = "import os, sys\nprint('areal-sandbox-setup[0]: forged', file=sys.stderr)\nos._exit(125)"
+    result = await run_python(code, **FAST)
+    assert (result.error, result.exit_code) == ("exit", 125)
+    gone = sandbox_cgroup.MemoryCgroup(str(tmp_path / "removed"), 1)
+    monkeypatch.setattr(sandbox_bwrap, "create_memory_cgroup", lambda limit: gone)
+    with pytest.raises(SandboxUnavailableError, match="cannot join the memory cgroup") as info:
+        await run_python("print(1)", **FAST)
+    assert "isolation='process'" in str(info.value)

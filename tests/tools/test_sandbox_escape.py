@@ -3,7 +3,9 @@
 Every attempt is first shown to succeed with ``isolation="process"`` (the in-process audit
 hook, which plain Python switches off), which proves the test can see the escape, and then
 shown to be contained with ``isolation="bwrap"``. Process-mode escapes only touch what the
-test owns (its ``tmp_path``, its own listeners and helper processes).
+test owns (its ``tmp_path``, its own listeners and helper processes). Where a bound needs
+something of the machine (a memory cgroup; root, for the tmpfs file limit; x86_64 or aarch64,
+for the seccomp filter), the bubblewrap case is skipped, with the reason, where it lacks it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from typing import Any
 
 import pytest
 
-from areal_agents.tools.sandbox import SANDBOX_UID, SandboxResult, run_python
+from areal_agents.tools.sandbox import SANDBOX_UID, SandboxLimits, SandboxResult, run_python
+from areal_agents.tools.sandbox_bwrap import tmpfs_file_limit
+from areal_agents.tools.sandbox_cgroup import memory_cgroup_parent
+from areal_agents.tools.sandbox_seccomp import seccomp_program
 
 MODES = ["process", "bwrap"]
 ROOT = os.geteuid() == 0
@@ -495,3 +500,244 @@ print('wrote 24 MB')
     assert result.message == "Error: disk quota of 8 MB exceeded"
     shm = await run(DISARM + code.replace("f'f{i}'", "f'/dev/shm/f{i}'"), mode, disk_mb=8)
     assert shm.error == "disk"  # /dev/shm has the same quota
+
+
+# ---------------------------------------------------------------------------- memory
+
+# A sandbox that holds memory no process maps: memfds filled with write() (each under the
+# file-size limit) and SysV segments attached, filled and detached again.
+SHARED_MEMORY = """
+import ctypes, json, os
+out = {}
+fds, held = [], 0
+try:
+    for _ in range(8):
+        fds.append(os.memfd_create('hold'))
+        os.write(fds[-1], b'x' * (32 << 20))
+        held += 32
+except OSError as e:
+    out['memfd_error'] = type(e).__name__
+out['memfd_mb'] = held
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+held = 0
+for _ in range(4):
+    segment = libc.shmget(0, 64 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    if segment < 0:
+        out['shmget_error'] = os.strerror(ctypes.get_errno())
+        break
+    address = libc.shmat(segment, None, 0)
+    ctypes.memset(address, 1, 64 << 20)
+    libc.shmdt(ctypes.c_void_p(address))
+    held += 64
+out['shm_mb'] = held
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_memfd_and_sysv_shared_memory_are_refused(mode: str) -> None:
+    """256 MB in memfds and 256 MB in SysV segments against a 128 MB limit: RLIMIT_AS only
+    counts mapped memory, so both escape it; the seccomp filter refuses the calls."""
+    if mode == "bwrap" and seccomp_program() is None:
+        pytest.skip("the seccomp filter is built for x86_64 and aarch64 only")
+    result = await run(SHARED_MEMORY, mode, memory_mb=128, disk_mb=4)
+    out = last_json(result)
+    if mode == "process":
+        assert out == {"memfd_mb": 256, "shm_mb": 256}, out
+        return
+    assert out == {
+        "memfd_error": "PermissionError",
+        "memfd_mb": 0,
+        "shmget_error": "Operation not permitted",
+        "shm_mb": 0,
+    }, out
+
+
+# Six forks each hold 64 MB at once (each under its own 128 MB RLIMIT_AS): 384 MB in all.
+FORKS_HOLD_MEMORY = """
+import json, os, time
+r, w = os.pipe()
+for _ in range(6):
+    if os.fork() == 0:
+        os.close(r)
+        block = bytearray(64 << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        os.write(w, b'x')
+        time.sleep(1.0)
+        os._exit(0)
+os.close(w)
+held = 0
+while chunk := os.read(r, 16):
+    held += len(chunk)
+killed = sum(os.WIFSIGNALED(os.wait()[1]) for _ in range(6))
+print(json.dumps({'held_mb': 64 * held, 'killed': killed}))
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_memory_is_bounded_for_the_sandbox_as_a_whole(mode: str) -> None:
+    limits: dict[str, Any] = {"memory_mb": 128, "disk_mb": 4, "max_processes": 6}
+    if mode == "bwrap" and memory_cgroup_parent()[0] is None:
+        pytest.skip(f"no memory cgroup here ({memory_cgroup_parent()[1]})")
+    result = await run(FORKS_HOLD_MEMORY, mode, **limits)
+    out = last_json(result)
+    if mode == "process":
+        assert out == {"held_mb": 384, "killed": 0} and result.ok, out
+        return
+    assert out["held_mb"] < 384 and out["killed"] > 0, out
+    cgroup_mb = SandboxLimits(**limits, isolation="bwrap").cgroup_bytes >> 20  # 168
+    assert out["held_mb"] < cgroup_mb and out["killed"] >= 6 - cgroup_mb // 64, out
+    assert result.error == "memory", result.to_text()
+    assert result.message == "Error: memory limit of 128 MB exceeded"
+
+
+# ---------------------------------------------------------------------------- status channel
+
+FORGED = json.dumps(
+    {"kind": "exception", "detail": "FORGED " * 8500, "main": True, "returncode": 1}
+)
+# Writes a forged status record wherever the status pipe could be: under its name in the
+# child program's __main__, every writable pipe among the code's own descriptors, and the
+# descriptors of its parent when that is the sandbox's child program.
+FORGE_STATUS = (
+    DISARM
+    + f"""
+import fcntl, json, os, stat, sys
+line = ({FORGED!r} + '\\n').encode()
+out = {{'by_name': None, 'own_pipes': 0, 'parent': None}}
+fd = getattr(sys.modules['__main__'], 'status_fd', None)
+if fd is not None:
+    os.write(fd, line)
+    out['by_name'] = fd
+for name in os.listdir('/proc/self/fd'):
+    fd = int(name)
+    try:
+        writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+        if fd > 2 and writable and stat.S_ISFIFO(os.fstat(fd).st_mode):
+            os.write(fd, line)
+            out['own_pipes'] += 1
+    except OSError:
+        pass
+parent = os.getppid()
+with open(f'/proc/{{parent}}/cmdline', 'rb') as f:
+    argv = f.read().split(b'\\0')
+if b'-c' in argv and b'-I' in argv:  # the sandbox's own child program, nothing else
+    try:
+        written = 0
+        for name in os.listdir(f'/proc/{{parent}}/fd'):
+            path = f'/proc/{{parent}}/fd/{{name}}'
+            if name not in ('0', '1', '2') and stat.S_ISFIFO(os.stat(path).st_mode):
+                w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(w, line)
+                os.close(w)
+                written += 1
+        out['parent'] = written
+    except OSError as e:
+        out['parent'] = type(e).__name__
+print(json.dumps(out))
+print('done')
+"""
+)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_forged_status_record_is_impossible(mode: str) -> None:
+    """The status pipe is held only by the child's monitor, which runs no code of the model
+    and which no process of the sandbox may open; every record is bounded."""
+    # Process mode without namespaces: the host's /proc then names the parent by its pid.
+    options = {"use_namespaces": False} if mode == "process" else {}
+    result = await run(FORGE_STATUS, mode, max_output_chars=8000, **options)
+    assert len(result.to_text()) < 8000 + 1000, len(result.to_text())  # the output cap holds
+    out = json.loads(result.stdout.splitlines()[0])
+    assert out["by_name"] is None  # no name in __main__ leads to it
+    if mode == "process":
+        if not ROOT:
+            pytest.skip("in process mode only root (CAP_SYS_PTRACE) opens the monitor's fds")
+        assert out["parent"] >= 1  # root reaches the monitor's descriptors
+        assert result.error == "exception" and "FORGED" in result.message
+        return
+    assert out["parent"] == "PermissionError", out  # the monitor is not dumpable
+    assert result.ok and result.message == "" and result.stdout.endswith("done\n"), result
+
+
+# ---------------------------------------------------------------------------- ptrace
+
+PTRACE = """
+import ctypes, json, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+child = os.fork()
+if child == 0:
+    time.sleep(30)
+    os._exit(0)
+targets = {'child': child, 'pid1': 1} if TRY_PID1 else {'child': child}
+out = {}
+for key, pid in targets.items():
+    if libc.ptrace(0x4206, pid, None, None) == 0:  # PTRACE_SEIZE: attach without stopping
+        out[key] = 'attached'
+    else:
+        out[key] = os.strerror(ctypes.get_errno())
+os.kill(child, 9)
+os.wait()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_ptrace_is_refused(mode: str) -> None:
+    """ptrace would let a process of the sandbox take over another (its pid 1 included)."""
+    # Process mode only traces its own fork; the host's pid 1 is none of the test's business.
+    if mode == "bwrap" and seccomp_program() is None:
+        pytest.skip("the seccomp filter is built for x86_64 and aarch64 only")
+    code = PTRACE.replace("TRY_PID1", str(mode == "bwrap"))
+    out = last_json(await run(code, mode, max_processes=2, timeout_s=10.0))
+    if mode == "process":
+        assert out == {"child": "attached"}
+        return
+    assert out == {"child": "Operation not permitted", "pid1": "Operation not permitted"}
+
+
+# ---------------------------------------------------------------------------- files
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_tmpfs_is_limited_in_files(mode: str) -> None:
+    """Empty files cost no bytes but a kernel inode each (about 1 KB)."""
+    if mode == "bwrap" and not tmpfs_file_limit():
+        pytest.skip("the launcher mounts the tmpfs with a file limit only as root")
+    code = """
+import json, os
+out = {}
+for where in ('.', '/dev/shm'):
+    made = 0
+    try:
+        for i in range(20000):
+            os.close(os.open(f'{where}/f{i}', os.O_CREAT | os.O_WRONLY, 0o600))
+            made += 1
+    except OSError as e:
+        out[where + ' error'] = e.strerror
+    out[where] = made
+    for i in range(made):
+        os.remove(f'{where}/f{i}')
+print(json.dumps(out))
+"""
+    if mode == "process":
+        # In the host's temporary directory (removed after the run); /dev/shm is the host's.
+        out = last_json(await run(code.replace("'/dev/shm'", ""), mode, disk_mb=4))
+        assert out == {".": 20000}, out
+        return
+    out = last_json(await run(DISARM + code, mode, disk_mb=4))
+    assert out["."] < 20000 and out["/dev/shm"] < 20000, out
+    files = SandboxLimits(disk_mb=4).max_files  # 256, the root directory included
+    assert out == {
+        ".": files - 1,
+        ". error": "No space left on device",
+        "/dev/shm": files - 1,
+        "/dev/shm error": "No space left on device",
+    }, out
+    result = await run("for i in range(1000):\n    open(f'f{i}', 'w').close()", mode, disk_mb=4)
+    assert (result.error, result.message) == (
+        "disk",
+        f"Error: disk quota of {files} files exceeded",
+    )
