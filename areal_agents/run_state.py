@@ -26,6 +26,7 @@ the same host check the pid (:meth:`RunState.effective_status`) and show such a 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -110,14 +111,38 @@ def read_run_state(run_dir: str | Path) -> RunState | None:
         return None
     if not isinstance(raw, dict) or raw.get("status") not in STATUSES:
         return None
-    known = {f for f in RunState.__dataclass_fields__ if f != "extra"}
-    try:
-        return RunState(
-            **{k: v for k, v in raw.items() if k in known},
-            extra={k: v for k, v in raw.items() if k not in known},
-        )
-    except TypeError:
+    pid, host = raw.get("pid"), raw.get("host")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(host, str):
         return None
+
+    def number(key: str) -> float | None:
+        v = raw.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            return float(v)
+        return None
+
+    def words(key: str) -> str | None:
+        v = raw.get(key)
+        return None if v is None else str(v)
+
+    known = {f for f in RunState.__dataclass_fields__ if f != "extra"}
+    return RunState(
+        pid=int(pid),
+        host=host,
+        status=raw["status"],
+        reason=words("reason"),
+        phase=words("phase"),
+        step=raw["step"] if _whole(raw.get("step")) else 0,
+        target_steps=raw["target_steps"] if _whole(raw.get("target_steps")) else None,
+        started_at=number("started_at") or 0.0,
+        updated_at=number("updated_at") or 0.0,
+        ended_at=number("ended_at"),
+        extra={k: v for k, v in raw.items() if k not in known},
+    )
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class RunStateWriter:

@@ -12,9 +12,11 @@ Pages::
     /runs/NAME/episodes/SID/tokens/CID       one completion's tokens, coloured
     /runs/NAME/groups/GID                    a group's episodes side by side
     /compare?a=NAME&b=NAME                   two eval outputs on the same tasks
+    /compare?run=NAME&stages=base,final      a run's held-out stages side by side
 
 JSON (for live updates): ``/api/runs``, ``/api/runs/NAME/metrics``,
-``/api/runs/NAME/count`` (the browser's matching episodes).
+``/api/runs/NAME/count`` (the browser's matching episodes). Pages of a run that is not
+running do not poll. Any other path answers 404: a page, or JSON under ``/api/``.
 
 With a ``token``, every request needs it: ``?token=T`` once (it is then kept in a cookie)
 or the header ``Authorization: Bearer T``.
@@ -35,10 +37,11 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from areal_agents.errors import ConfigError
 from areal_agents.view import queries
-from areal_agents.view.sources import Run, RunSet
+from areal_agents.view.sources import Run, RunSet, stage_name
 
 HERE = Path(__file__).parent
 COOKIE = "areal_view_token"
@@ -46,20 +49,37 @@ COOKIE = "areal_view_token"
 CHARTS: list[tuple[str, str, list[str]]] = [
     ("reward_mean", "Reward (mean per episode)", ["reward_mean"]),
     ("success_rate", "Success rate", ["success_rate"]),
-    ("eval", "Held-out evaluation", ["eval/*"]),
     ("kl", "KL", ["loss/kl", "loss/approx_kl"]),
     ("entropy", "Entropy", ["entropy"]),
     ("clip_fraction", "Clip fraction", ["loss/clip_fraction", "loss/behaviour_clip_fraction"]),
-    ("staleness", "Staleness (episodes per policy-version lag)", ["histograms.staleness"]),
+    (
+        "staleness",
+        "Staleness (trained tokens per policy-version lag)",
+        ["histograms.staleness"],
+    ),
     ("tokens_per_s", "Tokens per second", ["gen_tokens_per_s", "train_tokens_per_s"]),
     ("merge_rate", "Merge rate", ["merge_rate"]),
     ("dropped", "Dropped episodes by reason (run totals)", ["dropped/*"]),
-    ("loss", "Loss and gradient norm", ["loss", "grad_norm"]),
+    ("loss", "Loss", ["loss"]),
+    ("grad_norm", "Gradient norm", ["grad_norm"]),
     ("busy", "Busy share of each step", ["time/busy", "time/busy_*", "time/cpu"]),
     ("idle", "Idle seconds of each step by cause", ["time/idle_*"]),
 ]
 """The dashboard's charts: ``(key, title, metric names; "prefix*" takes every metric whose
-name starts with prefix, "histograms.staleness" the staleness histogram)``."""
+name starts with prefix, "histograms.staleness" the staleness histogram: trained tokens by
+how many policy versions they lag)``. Quantities of different scale get charts of their own
+(loss and gradient norm); within a chart, series of very different scale get a second y
+axis. The held-out stages (base -> warm start -> step-N -> final) are a chart of their own
+over the stages (``held_out``), not over steps."""
+
+HELD_OUT_COLUMNS: list[tuple[str, str, str]] = [
+    ("success_rate", "success", "pct"),
+    ("mean_reward", "mean reward", "num"),
+    ("mean_turns", "mean turns", "num"),
+    ("mean_tool_calls", "tool calls / episode", "num"),
+    ("tool_call_validity", "valid tool calls", "pct"),
+]
+"""The held-out table's figures: ``(key of an eval.json row, heading, how it is shown)``."""
 
 LATEST_KEYS = [
     "reward_mean",
@@ -155,7 +175,10 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
     env.filters["ago"] = _ago
     env.filters["when"] = _when
     env.filters["pretty_json"] = queries.pretty_json
+    env.filters["pct"] = _pct
+    env.filters["stage_name"] = stage_name
     env.globals["SORTS"] = queries.SORTS
+    env.globals["HELD_OUT_COLUMNS"] = HELD_OUT_COLUMNS
 
     app = FastAPI(title="areal-agent view", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runs = runs
@@ -166,7 +189,7 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
         return HTMLResponse(html, status_code=status_code)
 
     def error(request: Request, status: int, title: str, message: str) -> HTMLResponse:
-        return page(request, "error.html", status, title=title, message=message)
+        return page(request, "error.html", status, title=title, message=message, code=status)
 
     if token:
 
@@ -211,14 +234,22 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
     async def no_store(request: Request, exc: _NoStore) -> Response:
         return error(request, 404, "No episodes", exc.run.missing_store_hint())
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> Response:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Every HTTP error, the router's own (an unknown path, a wrong method) included:
+        JSON under ``/api/``, else the error page."""
         if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
-        titles = {404: "Not found", 500: "Cannot read this run"}
-        return error(
-            request, exc.status_code, titles.get(exc.status_code, "Error"), str(exc.detail)
-        )
+            return JSONResponse(
+                {"error": exc.detail}, status_code=exc.status_code, headers=exc.headers
+            )
+        titles = {404: "Not found", 405: "Not allowed", 500: "Cannot read this run"}
+        message = str(exc.detail)
+        if not isinstance(exc, HTTPException):  # the router's: "Not Found" and the like
+            message = {
+                404: f"Nothing is at {request.url.path}.",
+                405: f"{request.method} is not allowed on {request.url.path}.",
+            }.get(exc.status_code, message)
+        return error(request, exc.status_code, titles.get(exc.status_code, "Error"), message)
 
     # ------------------------------------------------------------------ pages
     @app.get("/vendor/plotly.min.js", include_in_schema=False)
@@ -233,7 +264,16 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
     @app.get("/", response_class=HTMLResponse)
     async def runs_page(request: Request) -> HTMLResponse:
         rows = [(r, await asyncio.to_thread(r.status)) for r in runs.runs()]
-        return page(request, "runs.html", rows=rows, latest_keys=LATEST_KEYS[:6])
+        staged = [r.name for r in runs.runs() if r.kind == "train" and r.stages()]
+        return page(
+            request,
+            "runs.html",
+            rows=rows,
+            latest_keys=LATEST_KEYS[:6],
+            live=any(st["state"] == "training" for _, st in rows),
+            watching=runs.watches_directories,
+            staged=staged,
+        )
 
     @app.get("/runs/{name}", response_class=HTMLResponse)
     async def run_page(request: Request, name: str) -> HTMLResponse:
@@ -243,11 +283,13 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
         others = [r.name for r in runs.runs() if r.name != name and r.kind == "train"]
         overlay = [o for o in request.query_params.get("overlay", "").split(",") if o in others]
         latest = [(k, status["latest"].get(k)) for k in LATEST_KEYS if k in status["latest"]]
+        stages = await asyncio.to_thread(run.stages)
         return page(
             request,
             "run.html",
             run=run,
             status=status,
+            stages=stages,
             charts=CHARTS,
             metric_names=names,
             latest=latest,
@@ -273,6 +315,7 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
             page_no = 1
         total, rows = await asyncio.to_thread(queries.list_episodes, store, filters, page_no)
         facets = await asyncio.to_thread(queries.facets, store)
+        status = await asyncio.to_thread(run.status)
         pages = max(1, math.ceil(total / queries.PAGE_SIZE))
         return page(
             request,
@@ -285,6 +328,7 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
             facets=facets,
             page_no=page_no,
             pages=pages,
+            live=status["state"] == "training",
         )
 
     @app.get("/runs/{name}/episodes/{sid}", response_class=HTMLResponse)
@@ -316,6 +360,9 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
         colour = COLOR_MODES[mode]
         for t in view["output"]:
             t["style"] = colour(t, view)
+            t["title"] = _token_title(t, view)
+        for t in view["prompt"]:
+            t["title"] = f"prompt token {t['id']} {_quoted(t['text'])} ({PROMPT_TOKEN})"
         return page(
             request,
             "tokens.html",
@@ -341,8 +388,18 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
     async def compare_page(request: Request) -> HTMLResponse:
         a, b = request.query_params.get("a", ""), request.query_params.get("b", "")
         evals = [r.name for r in runs.runs() if r.store_location() is not None]
+        staged = {
+            r.name: [s["label"] for s in await asyncio.to_thread(r.stages)]
+            for r in runs.runs()
+            if r.kind == "train"
+        }
+        staged = {k: v for k, v in staged.items() if v}
+        chosen = request.query_params.get("run", "")
+        forms: dict[str, Any] = {"evals": evals, "a": a, "b": b, "staged": staged, "chosen": chosen}
+        if chosen:
+            return await compare_stages(request, run_or_404(chosen), forms)
         if not a or not b:
-            return page(request, "compare.html", evals=evals, a=a, b=b, rows=None)
+            return page(request, "compare.html", rows=None, **forms)
         ra, rb = run_or_404(a), run_or_404(b)
         sa_, sb = await episode_store(ra), await episode_store(rb)
         ta = await asyncio.to_thread(queries.episodes_by_task, sa_)
@@ -354,12 +411,53 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
         return page(
             request,
             "compare.html",
-            evals=evals,
-            a=a,
-            b=b,
             rows=rows,
             only=only,
             reports=(ra.report(), rb.report()),
+            **forms,
+        )
+
+    async def compare_stages(request: Request, run: Run, forms: dict[str, Any]) -> HTMLResponse:
+        """``/compare?run=NAME&stages=base,final``: the run's held-out stages side by side
+        (all of them without ``stages``): their figures from eval.json, and task by task the
+        episodes the run's store holds of each."""
+        stages = await asyncio.to_thread(run.stages)
+        by_label = {s["label"]: s for s in stages}
+        # ?stages=base,final or, from the form's boxes, ?stages=base&stages=final
+        given = ",".join(request.query_params.getlist("stages"))
+        asked = [x.strip() for x in given.split(",") if x.strip()]
+        problems = [f"{run.name} has no held-out stage {x!r}" for x in asked if x not in by_label]
+        labels = [x for x in dict.fromkeys(asked) if x in by_label] or list(by_label)
+        if not stages:
+            problems.append(
+                f"{run.name} recorded no held-out evaluation (eval.json): set eval.episodes "
+                "in its config to evaluate the base model, the warm start and the final one"
+            )
+        chosen = [by_label[x] for x in labels]
+        kinds = sorted({k for s in chosen for k in s["by_kind"]})
+        tasks: list[dict[str, Any]] = []
+        store = await store_of(run) if chosen else None
+        if store is not None:
+            eps = await asyncio.to_thread(queries.stage_episodes, store, labels)
+            seeds = sorted({seed for per in eps.values() for seed in per}, key=int)
+            for seed in seeds:
+                cells = {label: _summary(eps[label].get(seed, [])) for label in labels}
+                task_id = next(
+                    (e["task_id"] for c in cells.values() for e in c["episodes"] if e["task_id"]),
+                    None,
+                )
+                tasks.append({"seed": seed, "task_id": task_id, "cells": cells})
+        return page(
+            request,
+            "compare.html",
+            rows=None,
+            run=run,
+            stages=stages,
+            chosen_stages=chosen,
+            kinds=kinds,
+            tasks=tasks,
+            stage_problems=problems,
+            **forms,
         )
 
     # ------------------------------------------------------------------ JSON
@@ -373,9 +471,13 @@ def create_app(sources: list[str | Path] | RunSet, token: str | None = None) -> 
 
     @app.get("/api/runs/{name}/metrics")
     async def api_metrics(name: str) -> dict[str, Any]:
+        """The run's training steps (``rows``), its held-out stages (``held_out``) and its
+        state (a page stops polling once it is not ``training``)."""
         run = run_or_404(name)
         rows = await asyncio.to_thread(run.metrics)
-        return {"name": name, "rows": rows}
+        stages = await asyncio.to_thread(run.stages)
+        status = await asyncio.to_thread(run.status)
+        return {"name": name, "rows": rows, "held_out": stages, "state": status["state"]}
 
     @app.get("/api/runs/{name}/count")
     async def api_count(request: Request, name: str) -> dict[str, Any]:
@@ -413,6 +515,13 @@ def _proximal(run: Run) -> str | None:
     return str(value) if value else "recompute"
 
 
+def _pct(value: Any) -> str:
+    """A share as a percentage (``–`` when not recorded)."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
+        return "–"
+    return f"{100 * value:.1f}%"
+
+
 def _summary(eps: list[dict[str, Any]]) -> dict[str, Any]:
     rewards = [e["reward"] for e in eps]
     wins = [e["success"] for e in eps if e["success"] is not None]
@@ -422,6 +531,39 @@ def _summary(eps: list[dict[str, Any]]) -> dict[str, Any]:
         "success": (sum(1 for w in wins if w), len(wins)),
         "episodes": eps,
     }
+
+
+# ---------------------------------------------------------------------------- token tooltips
+PROMPT_TOKEN = "from tools, the user or the template: no loss"
+
+
+def _token_title(t: dict[str, Any], v: dict[str, Any]) -> str:
+    """An output token's tooltip, as plain text (the template's autoescaping makes it one
+    attribute, whatever the token's text holds): id, text, logprob, p = exp(logprob),
+    version, importance weight and advantage (– where not recorded or not trained), then the
+    trainer - server logprob and the clipping where there are."""
+    lp = t["logprob"]
+    parts = [
+        f"id {t['id']}",
+        _quoted(t["text"]),
+        f"logprob {_fmt(lp, 4)}",
+        f"p {_fmt(math.exp(min(lp, 0.0)) if lp is not None else None, 3)}",
+        f"version {_fmt(t['version'])}",
+        f"weight {_fmt(t['weight'], 3)}",
+        f"advantage {_fmt(t['advantage'], 3)}" + ("" if v["record"] else " (not trained)"),
+    ]
+    if t["mismatch"] is not None:
+        what = (
+            "(proximal − sampled: the training-inference mismatch if the run recomputed it)"
+            if v["proximal"] is None
+            else "(same weights)"
+        )
+        parts.append(f"trainer − server logprob {_fmt(t['mismatch'], 4)} {what}")
+    if t["clipped"]:
+        parts.append("ratio clipped")
+    if t["behaviour_clipped"]:
+        parts.append("weight over cap")
+    return " · ".join(parts)
 
 
 # ---------------------------------------------------------------------------- token colours

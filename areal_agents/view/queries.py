@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from areal_agents.serve import store_schema
 from areal_agents.serve.store_schema import completions, sessions
 from areal_agents.trajectory import merge_decisions, message_key, prompt_base
+from areal_agents.view.sources import stage_of_group, stage_order
 
 if TYPE_CHECKING:
     from areal_agents.serve.store import EpisodeStore
@@ -51,6 +52,9 @@ class Filters:
     agent: str | None = None
     reward_min: float | None = None
     reward_max: float | None = None
+    stage: str | None = None
+    """``training`` (the episodes of training groups) or a held-out label (``base``,
+    ``warm_start``, ``step-N``, ``final``: the groups ``eval-<label>-<seed>``)."""
     sort: str = "new"
 
     @classmethod
@@ -81,6 +85,10 @@ class Filters:
         if sort not in SORTS:
             problems.append(f"sort: one of {', '.join(SORTS)}, got {sort!r}")
             sort = "new"
+        stage = text("stage")
+        if stage is not None and stage != "training" and stage_of_group(f"eval-{stage}-0") is None:
+            problems.append(f"stage: training, base, warm_start, step-N or final, got {stage!r}")
+            stage = None
         f = cls(
             end_reason=text("end_reason"),
             q=text("q"),
@@ -91,6 +99,7 @@ class Filters:
             agent=text("agent"),
             reward_min=number("reward_min", float),
             reward_max=number("reward_max", float),
+            stage=stage,
             sort=sort,
         )
         return f, problems
@@ -159,6 +168,15 @@ def _where(store: EpisodeStore, f: Filters) -> list[Any]:
         conds.append(_reward_expr() <= f.reward_max)
     if f.q:
         conds.append(sessions.c.id.in_(store.fts_clause(f.q)))
+    if f.stage == "training":
+        conds.append(
+            sa.or_(
+                sessions.c.group_id.is_(None),
+                sa.not_(sessions.c.group_id.startswith("eval-", autoescape=True)),
+            )
+        )
+    elif f.stage:
+        conds.append(sessions.c.group_id.startswith(f"eval-{f.stage}-", autoescape=True))
     return conds
 
 
@@ -256,13 +274,16 @@ def list_episodes(
                 "turns": extra["turns"],
                 "agents": sorted(extra["agents"]),
                 "step": extra.get("step"),
+                "stage": (stage_of_group(h["group_id"]) or (None, None))[0],
             }
         )
     return total, rows
 
 
 def facets(store: EpisodeStore) -> dict[str, list[Any]]:
-    """The values the browser's drop-downs offer: end reasons, envs, agents."""
+    """The values the browser's drop-downs offer: end reasons, envs, agents, and the
+    held-out stages whose episodes the store holds (base -> warm start -> step-N -> final;
+    empty when it holds none)."""
     with store.engine.connect() as conn:
         reasons = [
             r[0]
@@ -287,7 +308,17 @@ def facets(store: EpisodeStore) -> dict[str, list[Any]]:
                 .order_by(completions.c.agent)
             )
         ]
-    return {"end_reasons": reasons, "envs": envs, "agents": agents}
+        labels = {
+            parsed[0]
+            for (gid,) in conn.execute(
+                sa.select(sessions.c.group_id)
+                .where(sessions.c.group_id.startswith("eval-", autoescape=True))
+                .distinct()
+            )
+            if (parsed := stage_of_group(gid)) is not None
+        }
+    stages = sorted(labels, key=stage_order)
+    return {"end_reasons": reasons, "envs": envs, "agents": agents, "stages": stages}
 
 
 def _loads(text: str | None) -> dict[str, Any]:
@@ -417,7 +448,7 @@ def episode_detail(store: EpisodeStore, session_id: str, gamma: float) -> dict[s
         "episode": ep,
         "reward": episode_reward(ep),
         "completions": items,
-        "tree": _tree(ep.completions),
+        "tree": tree_rows(ep.completions),
         "metadata": ep.metadata,
         "advantage": _token_mean([r["advantages"] for r in records.values()]),
         "created_at": session.created_at,
@@ -442,16 +473,73 @@ def _records(store: EpisodeStore, session_id: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _tree(cs: list[Completion]) -> list[dict[str, Any]]:
-    """The completion tree: nodes ``{index, id, agent, children}``; roots first."""
-    nodes: dict[str, dict[str, Any]] = {
-        c.id: {"index": i, "id": c.id, "agent": c.agent, "children": []} for i, c in enumerate(cs)
-    }
-    roots: list[dict[str, Any]] = []
-    for c in cs:
-        parent = nodes.get(c.parent_id) if c.parent_id else None
-        (parent["children"] if parent is not None else roots).append(nodes[c.id])
-    return roots
+TREE_INDENT_CAP = 4
+"""The completion tree's rows are indented by their branch level, at most this many steps:
+deeper branches keep the cap's indent and show their level as a number."""
+
+
+def tree_rows(cs: list[Completion]) -> list[dict[str, Any]]:
+    """The completion tree as a flat list of rows, in tree order (each completion after its
+    parent, a parent's children oldest first, the roots oldest first), built without
+    recursion: ``{index, id, agent, parent, depth, level, indent, forks, branch}``.
+
+    ``depth``: the completion's ancestors (its turn on its branch); ``level``: the branches
+    opened on the way to it (a completion's first child continues its branch, each later
+    child opens a branch one level deeper; a later root starts at level 0 again);
+    ``indent``: ``min(level, TREE_INDENT_CAP)``; ``forks``: how many children it has when
+    more than one (else 0); ``branch``: whether the row does not continue the row above it
+    (its parent is not the row just before: a branch opened at ``parent``, or a root after
+    the first)."""
+    index = {c.id: i for i, c in enumerate(cs)}
+    children: list[list[int]] = [[] for _ in cs]
+    roots: list[int] = []
+    for i, c in enumerate(cs):
+        p = index.get(c.parent_id) if c.parent_id else None
+        if p is None or p == i:
+            roots.append(i)
+        else:
+            children[p].append(i)
+    rows: list[dict[str, Any]] = []
+    placed = [False] * len(cs)
+    # a stack of (completion, parent, depth, level), the next to show on top
+    stack: list[tuple[int, int | None, int, int]] = [(r, None, 0, 0) for r in reversed(roots)]
+    while stack:
+        i, parent, depth, level = stack.pop()
+        placed[i] = True
+        kids = children[i]
+        c = cs[i]
+        rows.append(
+            {
+                "index": i,
+                "id": c.id,
+                "agent": c.agent,
+                "parent": parent,
+                "depth": depth,
+                "level": level,
+                "indent": min(level, TREE_INDENT_CAP),
+                "forks": len(kids) if len(kids) > 1 else 0,
+                "branch": bool(rows) and parent != rows[-1]["index"],
+            }
+        )
+        for k in range(len(kids) - 1, -1, -1):
+            stack.append((kids[k], i, depth + 1, level + (1 if k else 0)))
+    for i in range(len(cs)):  # parent links that loop (never written by the proxy): no root
+        if not placed[i]:
+            placed[i] = True
+            rows.append(
+                {
+                    "index": i,
+                    "id": cs[i].id,
+                    "agent": cs[i].agent,
+                    "parent": None,
+                    "depth": 0,
+                    "level": 0,
+                    "indent": 0,
+                    "forks": 0,
+                    "branch": True,
+                }
+            )
+    return rows
 
 
 def token_rows(
@@ -578,6 +666,40 @@ def group_episodes(store: EpisodeStore, group_id: str, gamma: float) -> list[dic
             }
         )
     out.sort(key=lambda e: -e["reward"])
+    return out
+
+
+def stage_episodes(
+    store: EpisodeStore, labels: list[str]
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """The held-out episodes of stages ``labels`` (groups ``eval-<label>-<seed>``), by
+    stage and then by task: ``{label: {seed: [{id, reward, success, task_id}]}}``. A task
+    is its seed: the held-out evaluation gives each task the same seed at every stage."""
+    reward = _reward_expr()
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {label: {} for label in labels}
+    if not labels:
+        return out
+    prefix = [sessions.c.group_id.startswith(f"eval-{label}-", autoescape=True) for label in labels]
+    with store.engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(
+                sessions.c.id, sessions.c.group_id, sessions.c.task_id, sessions.c.metadata, reward
+            )
+            .where(sessions.c.deleted_at.is_(None), sa.or_(*prefix))
+            .order_by(sessions.c.created_at)
+        ).all()
+    for sid, gid, task, meta, r in rows:
+        parsed = stage_of_group(gid)
+        if parsed is None or parsed[0] not in out:
+            continue
+        out[parsed[0]].setdefault(parsed[1], []).append(
+            {
+                "id": sid,
+                "reward": float(r or 0.0),
+                "success": _loads(meta).get("success"),
+                "task_id": task,
+            }
+        )
     return out
 
 

@@ -2,7 +2,8 @@
 
 A *source* on the command line is
 
-* a training run directory (``config.yaml``, ``metrics.jsonl``, ``episodes.db``, ...);
+* a training run directory (``config.yaml``, ``metrics.jsonl``, ``run.json``, ``eval.json``,
+  ``episodes.db``, ...);
 * an eval output directory (``report.json``, ``episodes.jsonl``, ``episodes.db``);
 * a directory holding such directories (``runs/``): each one is a run, and runs created
   later appear as the runs page is reloaded;
@@ -12,12 +13,23 @@ A *source* on the command line is
 Each becomes a :class:`Run`. Files are read as they are at each request (``metrics.jsonl``
 incrementally: only the bytes appended since the last read are parsed), so a run that is
 training updates live. The store is opened on first use and kept open.
+
+A training run's status is its own account of it, ``run.json`` (docs/data-contract.md,
+read through :mod:`areal_agents.run_state`), never the time a file was last changed:
+opening a run's store changes the store's files. Runs from before ``run.json`` fall back to their
+``final/`` directory and the times of ``metrics.jsonl`` and ``groups.jsonl``, which only the
+trainer writes.
+
+Held-out evaluations (base model, after the warm start, every ``eval.every`` steps, final:
+:mod:`areal_agents.trainer.heldout`) are *stages*: read from ``eval.json``, else from the
+``held_out`` rows of ``metrics.jsonl``, which are not training steps and never count as one.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,15 +40,109 @@ import yaml
 
 from areal_agents.errors import ConfigError
 from areal_agents.model import resolve_model
+from areal_agents.run_state import RunState, read_run_state
 from areal_agents.serve.chat import ChatTokenizer
 from areal_agents.serve.store import EpisodeStore
 
-__all__ = ["Run", "RunSet", "is_run_dir"]
+__all__ = [
+    "Run",
+    "RunSet",
+    "is_run_dir",
+    "stage_name",
+    "stage_of_group",
+]
 
-RUN_FILES = ("episodes.db", "metrics.jsonl", "report.json", "config.yaml", "episodes.jsonl")
+RUN_FILES = (
+    "episodes.db",
+    "metrics.jsonl",
+    "report.json",
+    "config.yaml",
+    "episodes.jsonl",
+    "run.json",
+    "eval.json",
+)
 LIVE_WITHIN_S = 120.0
-"""A run whose metrics, ledger or store changed this recently (and has no ``final/``) is
-shown as training."""
+"""A run without ``run.json`` (from before the file) whose metrics or ledger changed this
+recently, and that has no ``final/``, is shown as training. The store's files never count:
+the view itself changes them when it opens the store."""
+FILES_OF_A_LIVE_RUN = ("metrics.jsonl", "groups.jsonl")
+"""The files only the trainer writes, whose times tell an old run's liveness."""
+
+STATES = {"running": "training", "finished": "finished", "failed": "failed", "stopped": "stopped"}
+"""``run.json``'s status -> the state the view shows (a running run is *training*)."""
+
+_STAGE_LABEL = re.compile(r"^(base|warm_start|final|step-\d+)$")
+_EVAL_GROUP = re.compile(r"^eval-(base|warm_start|final|step-\d+)-(-?\d+)$")
+
+
+def stage_name(label: str) -> str:
+    """A held-out stage's label as words: ``warm_start`` -> ``warm start``, ``step-40`` ->
+    ``step 40``."""
+    if label == "warm_start":
+        return "warm start"
+    if label.startswith("step-"):
+        return "step " + label[5:]
+    return label
+
+
+def stage_order(label: str, step: int = 0) -> tuple[int, int]:
+    """Where a stage comes in a run: base, warm start, each step-N by N, final."""
+    if label == "base":
+        return (0, 0)
+    if label == "warm_start":
+        return (1, 0)
+    if label.startswith("step-") and label[5:].isdigit():
+        return (2, int(label[5:]))
+    if label == "final":
+        return (3, step)
+    return (4, step)
+
+
+def stage_of_group(group_id: str | None) -> tuple[str, str] | None:
+    """``(label, seed)`` of a held-out evaluation's group (``eval-<label>-<seed>``, as
+    :mod:`areal_agents.trainer.heldout` names them); None for any other group."""
+    m = _EVAL_GROUP.match(group_id or "")
+    return (m.group(1), m.group(2)) if m else None
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def _reason_code(st: RunState) -> str | None:
+    """``steps_done``, ``time_limit``, ``stopped``, ``failed`` or ``gone`` (the process
+    vanished); None while the run runs."""
+    reason = st.reason or ""
+    if st.status == "running":
+        return None
+    if reason in ("steps_done", "time_limit", "stopped"):
+        return reason
+    if reason.startswith("process ") and reason.endswith(" is gone"):
+        return "gone"
+    return "failed" if st.status == "failed" or reason.startswith("failed") else None
+
+
+def _run_state_words(st: RunState, steps: int, target: int | None) -> str | None:
+    """Why a run ended, in words (None while it runs)."""
+    of = f"{steps} of {target} steps" if target else f"{steps} steps"
+    reason = st.reason or ""
+    if st.status == "running":
+        return None
+    if reason == "time_limit":
+        return f"stopped by the time limit after {of}"
+    if reason == "steps_done":
+        return "finished: all steps done"
+    if reason == "stopped":
+        return f"stopped (Ctrl-C / SIGTERM) after {of}"
+    if reason.startswith("process ") and reason.endswith(" is gone"):
+        return f"{reason}: it ended without recording why (killed?), after {of}"
+    if reason.startswith("failed"):
+        return reason
+    if st.status == "failed":
+        return f"failed: {reason}" if reason else "failed"
+    return f"{st.status}: {reason}" if reason else st.status
 
 
 def is_run_dir(path: Path) -> bool:
@@ -49,6 +155,7 @@ class _MetricsCache:
     rows: list[dict[str, Any]] = field(default_factory=list)
     partial: bytes = b""
     inode: int | None = None
+    held_out: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Run:
@@ -76,7 +183,7 @@ class Run:
             return "store"
         if (self.path / "report.json").exists():
             return "eval"
-        if (self.path / "config.yaml").exists() or (self.path / "metrics.jsonl").exists():
+        if any((self.path / f).exists() for f in ("config.yaml", "metrics.jsonl", "run.json")):
             return "train"
         return "store"
 
@@ -114,11 +221,20 @@ class Run:
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> list[dict[str, Any]]:
-        """The rows of ``metrics.jsonl`` (the last row per step, as a resume rewrites steps),
-        read incrementally."""
+        """The training steps of ``metrics.jsonl`` (the last row per step, as a resume
+        rewrites steps), read incrementally. Held-out rows (``held_out``: their label) are
+        not steps: :meth:`held_out_rows` has them."""
+        return self._read_metrics()[0]
+
+    def held_out_rows(self) -> list[dict[str, Any]]:
+        """The held-out rows of ``metrics.jsonl`` (``{"step", "held_out": label,
+        "eval/...": ...}``), in the order written."""
+        return self._read_metrics()[1]
+
+    def _read_metrics(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         p = self.file("metrics.jsonl")
         if p is None or not p.exists():
-            return []
+            return [], []
         with self._lock:
             cache = self._metrics
             st = p.stat()
@@ -137,12 +253,16 @@ class Run:
                         row = json.loads(line)
                     except json.JSONDecodeError:
                         continue
-                    if isinstance(row, dict) and isinstance(row.get("step"), int):
+                    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                        continue
+                    if row.get("held_out") is not None:
+                        cache.held_out.append(row)
+                    else:
                         cache.rows.append(row)
             by_step: dict[int, dict[str, Any]] = {}
             for row in cache.rows:
                 by_step[row["step"]] = row
-            return [by_step[s] for s in sorted(by_step)]
+            return [by_step[s] for s in sorted(by_step)], list(cache.held_out)
 
     def metric_names(self) -> list[str]:
         names: dict[str, None] = {}
@@ -152,30 +272,164 @@ class Run:
                     names[k] = None
         return sorted(names)
 
+    # ------------------------------------------------------------------ held-out stages
+    def stages(self) -> list[dict[str, Any]]:
+        """The run's held-out evaluations, base -> warm start -> step-N -> final, each
+        ``{label, name, step, episodes, success_rate, mean_reward, mean_turns,
+        mean_tool_calls, tool_call_validity, by_kind, end_reasons, duration_s}`` (None where
+        not recorded). From ``eval.json``; a run without one: the ``held_out`` rows of
+        ``metrics.jsonl``, else the ``eval/*`` metrics of its step rows (``step-N``). The
+        latest result of each label counts (a resumed run may evaluate a label again)."""
+        rows = self._eval_json()
+        if rows is None:
+            rows = [self._stage_from_metrics(str(r["held_out"]), r) for r in self.held_out_rows()]
+        if not rows:
+            rows = [
+                self._stage_from_metrics(f"step-{r['step']}", r)
+                for r in self.metrics()
+                if _number(r.get("eval/success_rate")) is not None
+            ]
+        latest: dict[str, dict[str, Any]] = {}
+        for r in rows:
+            latest[r["label"]] = r
+        out = sorted(latest.values(), key=lambda r: stage_order(r["label"], r["step"] or 0))
+        for r in out:
+            r["name"] = stage_name(r["label"])
+        return out
+
+    def _eval_json(self) -> list[dict[str, Any]] | None:
+        p = self.file("eval.json")
+        if p is None or not p.exists():
+            return None
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, list):
+            return None
+        out = []
+        for r in data:
+            if not isinstance(r, dict) or not _STAGE_LABEL.match(str(r.get("label", ""))):
+                continue
+            step = r.get("step")
+            out.append(
+                {
+                    "label": str(r["label"]),
+                    "step": step if isinstance(step, int) else None,
+                    "episodes": r.get("episodes") if isinstance(r.get("episodes"), int) else None,
+                    **{
+                        k: _number(r.get(k))
+                        for k in (
+                            "success_rate",
+                            "mean_reward",
+                            "mean_turns",
+                            "mean_tool_calls",
+                            "tool_call_validity",
+                            "duration_s",
+                        )
+                    },
+                    "by_kind": {
+                        str(k): v
+                        for k, v in (r.get("by_kind") or {}).items()
+                        if _number(v) is not None
+                    }
+                    if isinstance(r.get("by_kind"), dict)
+                    else {},
+                    "end_reasons": r.get("end_reasons")
+                    if isinstance(r.get("end_reasons"), dict)
+                    else {},
+                }
+            )
+        return out
+
+    @staticmethod
+    def _stage_from_metrics(label: str, row: dict[str, Any]) -> dict[str, Any]:
+        """A stage from ``eval/*`` metrics (``metrics.jsonl``: no episode count, no end
+        reasons)."""
+        by_kind = {
+            k[len("eval/success_") :]: v
+            for k, v in row.items()
+            if k.startswith("eval/success_") and k != "eval/success_rate" and _number(v) is not None
+        }
+        return {
+            "label": label,
+            "step": row.get("step") if isinstance(row.get("step"), int) else None,
+            "episodes": None,
+            "success_rate": _number(row.get("eval/success_rate")),
+            "mean_reward": _number(row.get("eval/mean_reward")),
+            "mean_turns": _number(row.get("eval/mean_turns")),
+            "mean_tool_calls": _number(row.get("eval/tool_calls_mean")),
+            "tool_call_validity": _number(row.get("eval/tool_call_valid_rate")),
+            "duration_s": None,
+            "by_kind": by_kind,
+            "end_reasons": {},
+        }
+
     # ------------------------------------------------------------------ status
+    def run_state(self) -> RunState | None:
+        """``run.json`` as a reader should show it (a running run whose process is gone is
+        failed); None without one."""
+        if self.path is None:
+            return None
+        st = read_run_state(self.path)
+        return None if st is None else st.effective()
+
     def status(self) -> dict[str, Any]:
-        """``{state, steps, target_steps, elapsed_s, updated_at, latest}``."""
+        """``{state, reason, reason_code, phase, steps, target_steps, elapsed_s,
+        updated_at, latest, pid, from_run_file}``: ``state`` is ``training`` (running),
+        ``finished``, ``stopped``, ``failed``, or ``eval`` / ``store`` for what is no
+        training run; ``reason`` why it ended, in words; ``reason_code`` the same as one of
+        ``steps_done``, ``time_limit``, ``stopped``, ``failed``, ``gone`` (None while it
+        runs, or without run.json)."""
         rows = self.metrics()
         latest = rows[-1] if rows else {}
         target = (self.config().get("train") or {}).get("steps")
+        target = target if isinstance(target, int) and not isinstance(target, bool) else None
+        steps = latest.get("step", 0)
+        elapsed = latest.get("elapsed_s")
+        reason: str | None = None
+        reason_code: str | None = None
+        phase: str | None = None
+        pid: int | None = None
+        run_state = self.run_state() if self.kind == "train" else None
         updated = self._updated_at()
         if self.kind == "eval":
             state = "eval"
+            elapsed = (self.report() or {}).get("duration_s") if elapsed is None else elapsed
         elif self.kind == "store":
             state = "store"
+        elif run_state is not None:
+            state = STATES[run_state.status]
+            steps = max(steps, run_state.step)
+            target = run_state.target_steps if run_state.target_steps is not None else target
+            reason = _run_state_words(run_state, steps, target)
+            reason_code = _reason_code(run_state)
+            phase = run_state.phase if run_state.status == "running" else None
+            pid = run_state.pid
+            updated = run_state.ended_at or run_state.updated_at or updated
+            if elapsed is None and run_state.started_at:
+                end = run_state.ended_at or (
+                    time.time() if run_state.status == "running" else run_state.updated_at
+                )
+                if end is not None:
+                    elapsed = max(0.0, end - run_state.started_at)
         elif self.path is not None and (self.path / "final").exists():
             state = "finished"
         elif updated is not None and time.time() - updated < LIVE_WITHIN_S:
             state = "training"
         else:
             state = "stopped"
-        elapsed = latest.get("elapsed_s")
-        if elapsed is None and self.kind == "eval":
-            elapsed = (self.report() or {}).get("duration_s")
+            if updated is not None:
+                reason = "no run.json; its metrics stopped changing"
         return {
             "state": state,
-            "steps": latest.get("step", 0),
-            "target_steps": target if isinstance(target, int) else None,
+            "reason": reason,
+            "reason_code": reason_code,
+            "phase": phase,
+            "pid": pid,
+            "from_run_file": run_state is not None,
+            "steps": steps,
+            "target_steps": target,
             "elapsed_s": elapsed,
             "updated_at": updated,
             "latest": {
@@ -186,12 +440,12 @@ class Run:
         }
 
     def _updated_at(self) -> float | None:
+        """When the trainer last wrote its metrics or ledger (never the store's files,
+        which a reader changes by opening the store)."""
         if self.path is None:
             return None
         times = [
-            (self.path / f).stat().st_mtime
-            for f in ("metrics.jsonl", "groups.jsonl", "episodes.db-wal", "episodes.db")
-            if (self.path / f).exists()
+            (self.path / f).stat().st_mtime for f in FILES_OF_A_LIVE_RUN if (self.path / f).exists()
         ]
         return max(times) if times else None
 
@@ -348,6 +602,11 @@ class RunSet:
                     if c.resolve() not in known and is_run_dir(c):
                         self._add(Run(c.name, path=c.resolve()))
             return list(self._runs.values())
+
+    @property
+    def watches_directories(self) -> bool:
+        """Whether a directory of runs was named: runs may appear in it later."""
+        return bool(self._parents)
 
     def get(self, name: str) -> Run | None:
         run = self._runs.get(name)

@@ -31,7 +31,7 @@ from areal_agents.trainer.critic import Critic
 from areal_agents.trainer.loop import Trainer, _algorithm, out_of_time_budget
 from areal_agents.trainer.policy import Policy, pack
 from areal_agents.trainer.rollout import GroupSource, SourceSettings
-from areal_agents.trainer.run_state import read_run_state
+from areal_agents.run_state import read_run_state
 from areal_agents.trainer.staleness import StalenessGate
 from areal_agents.trainer.step import policy_updates
 from areal_agents.trajectory import Completion, Episode

@@ -15,7 +15,7 @@ import pytest
 from areal_agents.errors import ConfigError
 from areal_agents.trainer import loop
 from areal_agents.trainer.config_io import load_config
-from areal_agents.trainer.run_state import (
+from areal_agents.run_state import (
     RunStateWriter,
     pid_alive,
     read_run_state,
@@ -62,7 +62,7 @@ def test_unreadable_or_missing_files_read_as_none(tmp_path):
 
 def test_a_kill_9_leaves_running_which_readers_show_as_failed(tmp_path):
     code = (
-        "import sys, time; from areal_agents.trainer.run_state import RunStateWriter; "
+        "import sys, time; from areal_agents.run_state import RunStateWriter; "
         "RunStateWriter(sys.argv[1], target_steps=5); print('up', flush=True); time.sleep(60)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE)

