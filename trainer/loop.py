@@ -65,7 +65,7 @@ from areal_agents.hardware import default_device, pin_to_cpus, resolve_dtype
 from areal_agents.model import resolve_model
 from areal_agents.rollout.observe import observe_prompt
 from areal_agents.serve.chat import ChatTokenizer
-from areal_agents.trainer import run_state as run_file
+from areal_agents import run_state as run_file
 from areal_agents.trainer.algorithms import (
     AlgorithmSpec,
     LossSpec,
