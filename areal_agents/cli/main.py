@@ -78,6 +78,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "(default: $AREAL_ADMIN_KEY; none)",
     )
     serve.add_argument(
+        "--no-self-rewarding",
+        dest="self_rewarding",
+        action="store_false",
+        help="a session's own key may only call the model and read its session: rewards, "
+        "ends and deletes need --admin-key (default: the session key may post its rewards)",
+    )
+    serve.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     serve.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
@@ -127,7 +134,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--out",
         default=None,
         help="write episodes.jsonl, report.json and the episode store episodes.db here "
-        "(replacing them; with --store, or --ray, the episodes are recorded there instead)",
+        "(replacing them; with --store the episodes are recorded there instead)",
     )
     ev.add_argument("--store", default=None, help=_STORE_HELP)
     ev.add_argument(

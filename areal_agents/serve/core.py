@@ -3,9 +3,10 @@
 :class:`ProxyCore` (a layer of :class:`~areal_agents.serve.proxy.Proxy`, over the context
 policy of :mod:`areal_agents.serve.fitting`) generates the answer to a chat completion
 request (:meth:`~ProxyCore.reply`), records it into its session once the answer is on its
-way (:meth:`~ProxyCore.record`; a session that ended meanwhile gets a 409 and nothing is
-recorded) and waits for the store to commit it (:meth:`~ProxyCore.commit`); a call whose
-client disconnects first is cancelled and not recorded (:meth:`~ProxyCore.until_disconnect`).
+way (:meth:`~ProxyCore.record`; a session that ended or was deleted meanwhile gets a 409
+and nothing is recorded) and waits for the store to commit it (:meth:`~ProxyCore.commit`); a
+call whose client disconnects first is cancelled and not recorded
+(:meth:`~ProxyCore.until_disconnect`).
 In-process callers use :meth:`~ProxyCore.complete`, which does all of it.
 
 Sessions: held in memory by the :class:`~areal_agents.serve.session.SessionStore`, written
@@ -118,6 +119,13 @@ class ProxyCore(ContextFitting):
         agent: str | None = None,
     ) -> Reply:
         """Generate the answer to one chat completion request, not yet recorded."""
+        if session is not None and session.deleted:
+            raise ApiError(
+                409,
+                f"session {session.id} was deleted; open a new session",
+                kind="conflict_error",
+                code="session_deleted",
+            )
         if session is not None and session.closed:
             raise ApiError(
                 409, f"session {session.id} has ended; open a new session", kind="conflict_error"
@@ -164,10 +172,21 @@ class ProxyCore(ContextFitting):
         """Record a reply's completions into its session.
 
         A session that ended while the call was in flight (``POST /end`` came first) gets a
-        409 and the call is not recorded: what ended an episode is never changed after."""
+        409 and the call is not recorded: what ended an episode is never changed after. A
+        session deleted while the call was in flight (``DELETE`` came first) likewise gets a
+        409 (``code: "session_deleted"``): a deleted session takes no records."""
         session = reply.session
         if session is None or not reply.pending:
             return
+        if session.deleted:
+            self.counters["deleted_in_flight"] += 1
+            raise ApiError(
+                409,
+                f"session {session.id} was deleted while this call was in flight: its reply "
+                "was not recorded (delete a session only after its last call returned)",
+                kind="conflict_error",
+                code="session_deleted",
+            )
         if session.closed:
             self.counters["ended_in_flight"] += 1
             raise ApiError(

@@ -59,14 +59,27 @@ Calls that do not finish normally:
   the server can tell, it was delivered).
 * A call still in flight when its session ends (``POST /end``) is answered 409
   (``code: "session_ended"``) and not recorded: what ended an episode is never changed after.
+  A call still in flight when its session is deleted (``DELETE``) is answered 409 (``code:
+  "session_deleted"``) and not recorded either (``deleted_in_flight``), as is a reward or
+  end that reached the session before the ``DELETE``.
+
+Rewards: every reward and final reward must be a finite number, and adding it must keep
+finite the completion's summed reward, the episode's final reward, the episode's reward
+(their sum) and every return of the trajectory (for any gamma); else the answer is a 400
+naming the field (``value`` or ``final_reward``) and nothing changes. A summary or trajectory
+that still holds a non-finite number (written to a store by an older version) reads back as
+JSON: the number is null and the top-level ``non_finite`` maps its path to ``"Infinity"``,
+``"-Infinity"`` or ``"NaN"``.
 
 Key permissions: with ``self_rewarding=True`` (the default, ``areal-agent serve``) a session's
 own key may also post rewards to, end and delete its session. With ``self_rewarding=False``
-(training, where the environment scores the episode) a session key may only call the model
-and read its session and trajectory; ``/rewards``, ``/end`` and ``DELETE`` then need the admin
-key or a privileged key (``privileged_keys``; the worker hub registers its token there), and a
-session key gets a 403 saying so, so an agent cannot post itself a reward. Privileged keys
-reach every session's endpoints, like the admin key, but do not call the model.
+(training, where the environment scores the episode, or ``areal-agent serve
+--no-self-rewarding``, where whoever holds the admin key does) a session key may only call
+the model and read its session and trajectory; ``/rewards``, ``/end`` and ``DELETE`` then
+need the admin key or a privileged key (``privileged_keys``; a self-rewarded run registers
+its worker token there; an env-scored run's worker token is not one), and a session key gets
+a 403 saying so, so an agent cannot post itself a reward. Privileged keys reach every
+session's endpoints, like the admin key, but do not call the model.
 
 Sessions from outside (``session_hooks``): a trainer that trains on whole sessions opened by
 a service (self-rewarded training: the service opens a session per episode with a ``group``,

@@ -226,6 +226,7 @@ async def respond(
     body = reply.body
     choice = body["choices"][0]
     response = response_object(req, body, time.time())
+    proxy.record(reply)  # first: a session ended or deleted meanwhile is a 409, nothing kept
     if session is not None and req.store is not False:
         conversation = [*prior, *turn, choice["message"]]
         STORE.put(session, response["id"], conversation)

@@ -5,7 +5,9 @@
 routes are listed in :mod:`areal_agents.serve.proxy`), checks each request's key (a
 session's key, the admin key or a privileged key; see :meth:`ProxyRoutes._session_for`),
 reads its body through :func:`~areal_agents.serve.bodies.parse_body`, and answers every
-error, FastAPI's own included, in the OpenAI error format (:class:`ApiError`).
+error, FastAPI's own included, in the OpenAI error format (:class:`ApiError`). Session
+summaries and trajectories are encoded by :func:`encode_json`, so a non-finite number that
+reached a store (from an older version) still reads back as JSON.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import functools
 import hmac
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
@@ -30,7 +33,7 @@ from areal_agents.serve.core import ProxyCore
 from areal_agents.serve.openapi import error_responses, json_body, openapi_schema
 from areal_agents.serve.responses import ResponsesRequest, respond
 from areal_agents.serve.schemas import ChatCompletionRequest, EndIn, RewardIn, SessionCreate
-from areal_agents.serve.session import Session
+from areal_agents.serve.session import RewardRangeError, Session
 from areal_agents.serve.sse import chat_sse
 
 AGENT_HEADER = "X-Areal-Agent"
@@ -54,6 +57,48 @@ def agent_name(request: Request) -> str | None:
             param=AGENT_HEADER,
         )
     return name
+
+
+NON_FINITE = "non_finite"
+"""The key, in a session summary or trajectory, that lists the numbers read as null because
+they are not finite (see :func:`encode_json`)."""
+
+
+def encode_json(data: dict[str, Any]) -> bytes:
+    """``data`` as JSON (UTF-8; a lone surrogate escaped rather than failing). A float that
+    is not finite (``inf``, ``-inf``, ``nan``: JSON has no such numbers) is written as null,
+    and ``data[NON_FINITE]`` maps each one's dotted path (``"final_reward"``,
+    ``"completions.3.return"``) to what it was: ``"Infinity"``, ``"-Infinity"`` or ``"NaN"``;
+    without such a float the key is absent."""
+    try:
+        text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a non-finite float somewhere: the slow path, only then
+        found: dict[str, str] = {}
+        data = {**_finite(data, (), found), NON_FINITE: found}
+        text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # a lone surrogate: escape it rather than fail
+        return json.dumps(data, allow_nan=False).encode()
+
+
+def _finite(value: Any, path: tuple[Any, ...], found: dict[str, str]) -> Any:
+    """``value`` with each non-finite float replaced by None (noted in ``found`` under its
+    path); containers are copied only where something changed (the data is not changed)."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        found[".".join(str(p) for p in path)] = (
+            "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        )
+        return None
+    if isinstance(value, dict):
+        items = {k: _finite(v, (*path, k), found) for k, v in value.items()}
+        return items if any(items[k] is not v for k, v in value.items()) else value
+    if isinstance(value, list | tuple):
+        out = [_finite(v, (*path, i), found) for i, v in enumerate(value)]
+        return out if any(a is not b for a, b in zip(out, value, strict=True)) else value
+    return value
 
 
 class ProxyRoutes(ProxyCore):
@@ -123,7 +168,7 @@ class ProxyRoutes(ProxyCore):
         opened = error_responses(400, 401, 409, 413, 429, 503)
         route("/sessions", self.create_session, "POST", responses=opened, **body)
         route("/sessions/{session_id}", self.get_session, "GET", responses=summary)
-        deleted = error_responses(401, 403, 404, 503)
+        deleted = error_responses(401, 403, 404, 409, 503)
         route("/sessions/{session_id}", self.delete_session, "DELETE", responses=deleted)
         body = json_body(app, RewardIn)
         route("/sessions/{session_id}/rewards", self.add_reward, "POST", responses=manage, **body)
@@ -202,10 +247,12 @@ class ProxyRoutes(ProxyCore):
         if manage and not self.self_rewarding:
             raise ApiError(
                 403,
-                "rewards come from the environment in this run: a session key may call "
-                "the model and read its session, but posting rewards, ending or deleting "
-                "a session needs the admin key (or start the proxy with "
-                "self_rewarding=True)",
+                "rewards come from the environment or the admin key on this proxy, not "
+                "from the agent (self-rewarding is off: a training run, "
+                "Proxy(self_rewarding=False) or `areal-agent serve --no-self-rewarding`): "
+                "a session key may call the model and read its session, but posting "
+                "rewards, ending or deleting a session needs the admin key (in a "
+                "self-rewarded training run, the worker token)",
                 kind="permission_error",
             )
         self.sessions.touch(session)
@@ -235,7 +282,7 @@ class ProxyRoutes(ProxyCore):
                 why = "the worker token in this run (its sessions are trained on): send "
                 why += "'Authorization: Bearer <worker token>'"
             elif not self.open_sessions:
-                why = "the admin key or worker token: this proxy opens its sessions itself"
+                why = "the admin key: this proxy opens its sessions itself"
             else:
                 why = "the proxy's admin key"
             raise ApiError(401, f"POST /sessions needs {why}", kind="authentication_error")
@@ -251,9 +298,9 @@ class ProxyRoutes(ProxyCore):
         base = self.public_url or str(request.base_url).rstrip("/")
         return {"id": session.id, "api_key": session.api_key, "base_url": f"{base}/v1"}
 
-    async def get_session(self, session_id: str, request: Request) -> dict[str, Any]:
+    async def get_session(self, session_id: str, request: Request) -> Response:
         ep = (await self._session_for(request, session_id)).episode
-        return {
+        summary = {
             "id": ep.session_id,
             "group_id": ep.group_id,
             "task_id": ep.task_id,
@@ -262,9 +309,11 @@ class ProxyRoutes(ProxyCore):
             "completions": len(ep.completions),
             "final_reward": ep.final_reward,
         }
+        return Response(encode_json(summary), media_type="application/json")
 
     async def delete_session(self, session_id: str, request: Request) -> dict[str, Any]:
         session = await self._session_for(request, session_id, manage=True)
+        self._check_not_deleted(session)
         if self.session_hooks is not None and not session.closed:
             self.sessions.end(session, reason="deleted")
             self.session_hooks.ended(session)
@@ -276,6 +325,7 @@ class ProxyRoutes(ProxyCore):
         session = await self._session_for(request, session_id, manage=True)
         self._check_open_for_hooks(session, "rewards")
         body = await parse_body(request, RewardIn)
+        self._check_not_deleted(session)
         try:
             target = self.sessions.add_reward(
                 session,
@@ -284,10 +334,24 @@ class ProxyRoutes(ProxyCore):
                 tool_call_id=body.tool_call_id,
                 final=body.final,
             )
+        except RewardRangeError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         except ArealError as exc:
             raise ApiError(400 if not isinstance(exc, SessionError) else 404, str(exc)) from None
         await self._sync_store()
         return {"session_id": session.id, "completion_id": target, "final": body.final}
+
+    @staticmethod
+    def _check_not_deleted(session: Session) -> None:
+        """A request that reached a session before a ``DELETE`` of it was answered: a 409."""
+        if session.deleted:
+            raise ApiError(
+                409,
+                f"session {session.id} was deleted while this request was in flight; "
+                "nothing was changed",
+                kind="conflict_error",
+                code="session_deleted",
+            )
 
     def _check_open_for_hooks(self, session: Session, what: str) -> None:
         """Sessions from outside go to training when they end: nothing changes them after."""
@@ -303,10 +367,14 @@ class ProxyRoutes(ProxyCore):
         session = await self._session_for(request, session_id, manage=True)
         self._check_open_for_hooks(session, "an end")
         body = await parse_body(request, EndIn, allow_empty=True)
+        self._check_not_deleted(session)
         was_open = not session.closed
-        self.sessions.end(
-            session, final_reward=body.final_reward, reason=body.reason, error=body.error
-        )
+        try:
+            self.sessions.end(
+                session, final_reward=body.final_reward, reason=body.reason, error=body.error
+            )
+        except RewardRangeError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         if self.session_hooks is not None and was_open:
             self.session_hooks.ended(session)
         await self._sync_store()
@@ -337,10 +405,7 @@ class ProxyRoutes(ProxyCore):
 
         def encode() -> bytes:
             data = snapshot.to_dict(gamma, prompts=prompts, offset=offset, limit=limit)
-            try:
-                return json.dumps(data, ensure_ascii=False).encode()
-            except UnicodeEncodeError:  # a lone surrogate: escape it rather than fail
-                return json.dumps(data).encode()
+            return encode_json(data)
 
         return Response(await asyncio.to_thread(encode), media_type="application/json")
 

@@ -8,6 +8,7 @@ through what :class:`DurableStore` names.
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 import time
 import uuid
@@ -44,6 +45,9 @@ class Session:
     last_active: float = field(default_factory=time.time)
     stored_active: float = 0.0
     """When ``last_active`` last reached the durable store (it is written coarsely)."""
+    deleted: bool = False
+    """Set by :meth:`SessionStore.remove` (``DELETE /sessions/{id}``): a call still in flight
+    holds the session object, and must not record into it after that."""
 
     def __post_init__(self) -> None:
         if self.api_key and not self.key_hash:
@@ -52,6 +56,67 @@ class Session:
     @property
     def closed(self) -> bool:
         return self.episode.ended
+
+
+class RewardRangeError(UserError):
+    """A reward that is not finite, or that would make the episode's rewards, their sum or
+    its returns overflow the float range (``param``: the request field to fix)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_rewards(
+    episode: Episode,
+    value: float,
+    *,
+    target: Completion | None = None,
+    final: bool = False,
+    param: str = "value",
+) -> None:
+    """Raise :class:`RewardRangeError` unless adding ``value`` (to ``target``'s reward, or
+    with ``final`` to the episode's final reward) keeps every number computed from the
+    episode's rewards finite: each completion's reward, the final reward, the episode's
+    reward (their sum) and every return ``G(c) = r(c) + gamma * mean G(children)``, for
+    any gamma in [0, 1]. Those returns, and the sums they are computed from, are bounded by
+    the sum of ``|r(c)|`` over the completions plus ``|final reward|`` once per leaf (a
+    completion without children), so that bound must be finite. The episode is not
+    changed."""
+    if not math.isfinite(value):
+        raise RewardRangeError(
+            f"{param}: {value} is not a finite number; send a finite number", param
+        )
+    rewards = {c.id: c.reward for c in episode.completions}
+    final_reward = episode.final_reward or 0.0
+    if final:
+        final_reward += value
+        if not math.isfinite(final_reward):
+            raise RewardRangeError(
+                f"{param}: adding {value!r} to the episode's final reward "
+                f"{episode.final_reward!r} leaves the float range; post a smaller reward",
+                param,
+            )
+    elif target is not None:
+        rewards[target.id] = target.reward + value
+        if not math.isfinite(rewards[target.id]):
+            raise RewardRangeError(
+                f"{param}: adding {value!r} to the reward {target.reward!r} of completion "
+                f"{target.id!r} leaves the float range; post a smaller reward",
+                param,
+            )
+    total = sum(rewards.values()) + final_reward
+    parents = {c.parent_id for c in episode.completions if c.parent_id is not None}
+    leaves = sum(1 for c in episode.completions if c.id not in parents)
+    bound = sum(abs(r) for r in rewards.values()) + leaves * abs(final_reward)
+    if not (math.isfinite(total) and math.isfinite(bound)):
+        raise RewardRangeError(
+            f"{param}: with {value!r} the episode's rewards would add up past the float "
+            f"range (its reward, the per-turn rewards plus the final reward, or its returns, "
+            f"which add the rewards along the completion tree and credit the final reward "
+            f"to each of its {leaves} leaves); post smaller rewards",
+            param,
+        )
 
 
 class DurableStore(Protocol):
@@ -162,6 +227,7 @@ class SessionStore:
         """Forget a session (``DELETE /sessions/{id}``): its key stops working; a store keeps
         its records, marked deleted."""
         session = self.release(session_id)
+        session.deleted = True  # a call in flight must not record into it
         if self.durable is not None:
             self.durable.put_deleted(session_id)
         return session
@@ -179,6 +245,8 @@ class SessionStore:
         session.last_active = time.time()
 
     def record(self, session: Session, completion: Completion) -> Completion:
+        if session.deleted:
+            raise SessionError(f"session {session.id} was deleted; open a new session")
         if session.closed:
             raise SessionError(f"session {session.id} has ended; open a new session")
         earlier = list(session.episode.completions)
@@ -201,7 +269,9 @@ class SessionStore:
 
         ``final=True`` sets the episode's final reward (added to every leaf's return).
         Otherwise the reward goes to ``completion_id``, to the completion that made
-        ``tool_call_id``, or, when neither is given, to the latest completion.
+        ``tool_call_id``, or, when neither is given, to the latest completion. A reward
+        that would leave the float range anywhere (:func:`check_rewards`) raises
+        :class:`RewardRangeError` and changes nothing.
         """
         ep = session.episode
         if final:
@@ -209,6 +279,7 @@ class SessionStore:
                 raise UserError(
                     "a final reward belongs to the episode: drop completion_id/tool_call_id"
                 )
+            check_rewards(ep, value, final=True)
             ep.final_reward = (ep.final_reward or 0.0) + value
             if self.durable is not None:
                 self.durable.put_reward(session, None)
@@ -226,6 +297,7 @@ class SessionStore:
             what = "any completion (the session has none yet)"
         if target is None:
             raise SessionError(f"session {session.id} has no {what}")
+        check_rewards(ep, value, target=target)
         target.reward += value
         session.last_active = time.time()
         if self.durable is not None:
@@ -246,8 +318,12 @@ class SessionStore:
         reason: str | None = None,
         error: dict[str, Any] | None = None,
     ) -> None:
+        """End the episode, adding ``final_reward`` to its final reward; a final reward that
+        would leave the float range (:func:`check_rewards`) raises
+        :class:`RewardRangeError` and the session stays as it was."""
         ep = session.episode
         if final_reward is not None:
+            check_rewards(ep, final_reward, final=True, param="final_reward")
             ep.final_reward = (ep.final_reward or 0.0) + final_reward
         if error:
             ep.errors.append(error)
