@@ -7,7 +7,11 @@ exception text). The agent calls the model itself through the task's session, so
 is recorded on the episode, and calls the env's tools through the hub: ``task.tools`` are
 :class:`RemoteTool` objects with the interface of ``areal_agents.tools.tool.Tool`` (``name``,
 ``description``, ``parameters``, ``schema``, ``await acall(arguments)``, ``call(arguments)``),
-so the agent code written for the in-process ``AgentTask`` runs here unchanged::
+so the agent code written for the in-process ``AgentTask`` runs here unchanged. The tools
+call the hub with their task's tool key, not the worker token: nothing the agent is handed
+(the task, its tools, the session key) can post a reward or end an episode, and the trainer
+refuses the worker token on those routes anyway (the env scores). Agent code runs in the
+worker's process, so this keeps the token out of its objects, not out of its reach::
 
     from areal_agents.client import AgentWorker
 
@@ -92,14 +96,25 @@ class _Stop(Protocol):
 # ---------------------------------------------------------------------- the HTTP link
 class _Link:
     """The worker's connection to the hub; usable from the worker's loop, other loops and
-    threads (the agent's tools may be called from any of them)."""
+    threads (the agent's tools may be called from any of them). ``key`` is the bearer it
+    sends: the worker token, or for one task's tools only that task's tool key
+    (:meth:`for_tools`)."""
 
-    def __init__(self, url: str, token: str, timeout_s: float) -> None:
+    def __init__(self, url: str, key: str, timeout_s: float) -> None:
         self.url = url
-        self.headers = {"Authorization": f"Bearer {token}"}
+        self._headers = {"Authorization": f"Bearer {key}"}
         self.timeout_s = timeout_s
         self.client: httpx.AsyncClient | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def for_tools(self, tool_key: str | None) -> _Link:
+        """The link a task's tools get: a new one with the task's ``tool_key`` (it calls that
+        task's tools and nothing else), sharing nothing with this one, so no object the
+        agent is handed holds the worker token. Without a tool key (a trainer of an older
+        version sends none) the tools use this link."""
+        if not tool_key:
+            return self
+        return _Link(self.url, tool_key, self.timeout_s)
 
     async def post(
         self, path: str, body: dict[str, Any], *, timeout_s: float | None = None
@@ -107,16 +122,16 @@ class _Link:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if self.client is not None and _running_loop() is self.loop:
             return await self.client.post(
-                self.url + path, json=body, headers=self.headers, timeout=timeout
+                self.url + path, json=body, headers=self._headers, timeout=timeout
             )
         async with httpx.AsyncClient(timeout=timeout) as client:
-            return await client.post(self.url + path, json=body, headers=self.headers)
+            return await client.post(self.url + path, json=body, headers=self._headers)
 
     def post_sync(
         self, path: str, body: dict[str, Any], *, timeout_s: float | None = None
     ) -> httpx.Response:
         with httpx.Client(timeout=self.timeout_s if timeout_s is None else timeout_s) as client:
-            return client.post(self.url + path, json=body, headers=self.headers)
+            return client.post(self.url + path, json=body, headers=self._headers)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -251,7 +266,9 @@ class WorkerTask:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], link: _Link) -> WorkerTask:
+        """The task the hub sent; its tools call the hub with the task's ``tool_key``."""
         session = data["session"]
+        tools_link = link.for_tools(data.get("tool_key"))
         return cls(
             id=data["id"],
             session_id=session["id"],
@@ -259,7 +276,7 @@ class WorkerTask:
             base_url=session["base_url"],
             model=data.get("model") or "",
             messages=list(data.get("messages") or []),
-            tools=[RemoteTool(s, data["id"], link) for s in data.get("tools") or []],
+            tools=[RemoteTool(s, data["id"], tools_link) for s in data.get("tools") or []],
             task_id=data.get("task_id"),
             group_id=data.get("group_id"),
             info=dict(data.get("metadata") or {}),

@@ -36,8 +36,8 @@ Choices made:
   and proximal logprobs, behaviour weights, clip flags, return and merge decision) goes to
   the run's episode store as ``train_tokens`` rows (step = the metrics' step), written by
   the store's writer thread. With trainer ranks, each rank's records come back to rank 0
-  with the step's result, and rank 0 alone writes. A source without a store (``scheduler:
-  ray``: the episodes are recorded by the Ray workers' proxies) records nothing.
+  with the step's result, and rank 0 alone writes (with ``scheduler: ray`` through the
+  store-writer actor the rollout workers' proxies record through too).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from areal_agents import run_state as run_file
 from areal_agents import spans
 from areal_agents.engines.embedded import FairLock
 from areal_agents.errors import ConfigError
@@ -65,7 +66,6 @@ from areal_agents.hardware import default_device, pin_to_cpus, resolve_dtype
 from areal_agents.model import resolve_model
 from areal_agents.rollout.observe import observe_prompt
 from areal_agents.serve.chat import ChatTokenizer
-from areal_agents import run_state as run_file
 from areal_agents.trainer.algorithms import (
     AlgorithmSpec,
     LossSpec,
@@ -92,6 +92,7 @@ from areal_agents.trainer.rollout_build import build_rollout
 from areal_agents.trainer.schedule import LrSchedule
 from areal_agents.trainer.sft import demo_tools, load_demos, load_episode_samples, run_sft
 from areal_agents.trainer.step import Update, apply_update, record_train_tokens, train_on_batch
+from areal_agents.trainer.time_budget import TimeBoxed, out_of_time_budget
 
 if TYPE_CHECKING:
     from areal_agents.rollout.runner import EpisodeResult
@@ -258,19 +259,21 @@ class Trainer:
         thread of its own (the agent probe gets an event loop of its own there)."""
         cfg = self.cfg
         self._set_phase("warm_start")
+        policy = self._sft_policy()
         if cfg.sft.kind == "episodes":  # recorded token ids: no env, template or agent
             vocab = int(self.policy.model.get_input_embeddings().weight.shape[0])
             pairs, skipped = load_episode_samples(cfg.sft.demos or "", vocab)
             self._finish_warm_start(
                 run_sft(
-                    self.policy,
+                    policy,
                     self.tokenizer,
                     [],
                     None,
                     tokenized=pairs,
                     skipped_episodes=skipped,
                     **self._sft_args(),
-                )
+                ),
+                policy,
             )
             return
         info: dict[str, Any] = {}
@@ -303,8 +306,16 @@ class Trainer:
             demos = [d if d[: len(prefix)] == prefix else [*prefix, *d] for d in demos]
         tools = demo_tools(path) or tools  # rows rendered for an agent carry its tools
         self._finish_warm_start(
-            run_sft(self.policy, self.tokenizer, demos, tools, **self._sft_args())
+            run_sft(policy, self.tokenizer, demos, tools, **self._sft_args()), policy
         )
+
+    def _sft_policy(self) -> Any:
+        """The policy as the warm start trains it: under ``train.time_limit_min`` a
+        :class:`TimeBoxed` view of it (the warm start spends the run's budget too)."""
+        limit = self.cfg.train.time_limit_min
+        if limit is None:
+            return self.policy
+        return TimeBoxed(self.policy, self._elapsed, 60 * limit)
 
     def _sft_args(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -317,8 +328,20 @@ class Trainer:
             "progress": not self.quiet,
         }
 
-    def _finish_warm_start(self, stats: dict[str, float]) -> None:
-        """A fresh optimizer and schedule for RL; the warm start's stats in ``sft.json``."""
+    def _finish_warm_start(self, stats: dict[str, float], policy: Any = None) -> None:
+        """A fresh optimizer and schedule for RL; the warm start's stats in ``sft.json``
+        (with ``sft_skipped_batches`` when ``train.time_limit_min`` cut it short)."""
+        if isinstance(policy, TimeBoxed):
+            stats.update(policy.stats())
+            if not policy.steps:  # no batch trained: no loss to report
+                stats.pop("sft_nll", None)
+            if policy.skipped and not self.quiet:
+                print(
+                    f"train.time_limit_min={self.cfg.train.time_limit_min}: the warm start "
+                    f"stopped after {policy.steps} batches ({policy.skipped} skipped; "
+                    f"{self._elapsed() / 60:.1f} min)",
+                    file=sys.stderr,
+                )
         self.policy.reset_optimizer(self.cfg.optim.lr)
         (self.out / "sft.json").write_text(json.dumps(stats))
         if not self.quiet:
@@ -399,6 +422,9 @@ class Trainer:
             await self._start()
             self._set_phase("training", step=st.step)
             while st.step < cfg.train.steps:
+                if not recent and self._out_of_time(recent):  # the warm start spent it all
+                    summary["stopped_by_time_limit"] = True
+                    break
                 t0 = time.perf_counter()
                 groups, fill = await self._next_batch()
                 t_wait = time.perf_counter() - t0 - fill["fill_s"]
@@ -667,19 +693,6 @@ def lr_schedule(cfg: TrainConfig) -> LrSchedule:
     """``optim.schedule`` with its warmup over ``optim.total_steps`` (None = ``train.steps``)."""
     o = cfg.optim
     return LrSchedule(o.schedule, o.warmup_steps, o.total_steps or cfg.train.steps)
-
-
-def out_of_time_budget(elapsed_s: float, recent_steps_s: list[float], limit_s: float) -> bool:
-    """Whether to stop before another step: the budget is spent, or the next step, taking as
-    long as the longest of the recent ones, would end after it (so the last checkpoint falls
-    inside ``train.time_limit_min`` rather than one step past it). The longest, not the mean:
-    RL step times are heavy-tailed (a step waits for enough non-uniform groups), and a budget
-    is a bound, so the estimate errs on the side of one step fewer."""
-    if elapsed_s >= limit_s:
-        return True
-    if not recent_steps_s:
-        return False
-    return elapsed_s + max(recent_steps_s) > limit_s
 
 
 LOSS_OVERRIDES = tuple(

@@ -13,12 +13,22 @@ under one group id) to the training loop, and owns everything about producing th
   otherwise the other G - k complete it. Algorithms with dynamic sampling drop a finished
   group whose usable rewards are all equal (``uniform_group``). Failed episodes are dropped
   and counted by end reason; a group keeps going with the rest when enough are left (2 for
-  group-normalized algorithms, else 1).
+  group-normalized algorithms, else 1; else ``group_too_small``).
 * **Redo after resume.** Every group started but neither consumed nor skipped before the
   checkpoint is generated again, first; nothing consumed is used twice.
 * **Lost agents** (external workers): with ``workers.on_lost: redo`` a group with an
-  ``agent_lost`` episode is generated again from scratch; with ``drop`` the lost episode is
-  dropped like any failed one.
+  ``agent_lost`` episode is generated again from scratch (its other episodes count as
+  ``regenerated``); with ``drop`` the lost episode is dropped like any failed one.
+* **The accounting** (``dropped/*``, in episodes): every episode the store recorded for a
+  training group and that is not trained is counted once, under one reason: its end reason
+  when it failed, ``no_completions`` when it never called the model, else its group's
+  (``uniform_probe``, ``uniform_group``, ``group_too_small``, ``regenerated``);
+  ``lost_at_restart`` when a resumed run starts (whatever the store holds that the restored
+  checkpoint does not account for: episodes in flight, finished but not consumed, or
+  consumed after the checkpoint) and ``stopped`` when the source closes (the episodes of
+  groups still running or not yet trained). So at the end of a run, and at every resume,
+  ``generated = trained + dropped`` (``docs/data-contract.md``); ``group_incomplete``
+  (:mod:`areal_agents.trainer.session_source`) counts sessions never opened, outside it.
 
 The sources differ only in how the episodes of one group are produced and what they own:
 
@@ -36,6 +46,8 @@ config, with its engine.
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -52,6 +64,12 @@ from areal_agents.trainer.config import GROUP_ALGORITHMS, TrainConfig
 from areal_agents.trainer.staleness import StalenessGate
 
 EnvFactory = Callable[[], Any]
+log = logging.getLogger(__name__)
+
+NOT_GENERATED = frozenset({"group_incomplete"})
+"""``dropped/*`` reasons that count sessions a group never opened: not episodes that were
+generated, so outside ``generated = trained + dropped``."""
+_GROUP_ID = re.compile(r"g\d+")
 
 
 class Group(NamedTuple):
@@ -101,6 +119,14 @@ class GroupSource:
         self.settings = settings
         self.state = state
         self.dropped: Counter[str] = Counter(state.dropped)
+        """The run's ``dropped/*`` totals, in episodes; taken from ``state`` again by
+        :meth:`start` (after a checkpoint was restored into it)."""
+        self._pending: dict[int, str] = {}
+        """Groups started and neither handed to the loop nor skipped: number -> group id."""
+        self._counted: Counter[int] = Counter()
+        """Per pending group, its episodes already counted under ``dropped/*``."""
+        self._stored_before: dict[str | None, int] = {}
+        """The store's sessions per group id when :meth:`start` ran."""
         self._queue: asyncio.Queue[Group] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._producer: asyncio.Task[None] | None = None
@@ -128,10 +154,30 @@ class GroupSource:
         """Episodes ``first .. first + n - 1`` of group ``g``."""
         raise NotImplementedError
 
+    def group_name(self, g: int) -> str:
+        """The proxy's ``group_id`` of group ``g``'s episodes."""
+        return f"g{g}"
+
+    def is_training_group(self, name: str | None) -> bool:
+        """Whether the store's sessions of group ``name`` are training episodes of this
+        source (not held-out ``eval-*`` or ``judge-*`` sessions)."""
+        return name is not None and _GROUP_ID.fullmatch(name) is not None
+
+    def live_proxy(self) -> Any:
+        """The proxy that holds this source's sessions in this process (None: none here)."""
+        runner = getattr(self, "runner", None)
+        return getattr(self, "proxy", None) or getattr(runner, "proxy", None)
+
     # ------------------------------------------------------------------ the loop's side
     async def start(self, version: int) -> None:
-        """Start producing groups for policy ``version`` (the number of steps taken)."""
+        """Start producing groups for policy ``version`` (the number of steps taken). The
+        ``dropped/*`` totals are taken from ``state`` here, after a checkpoint was restored
+        into it, and episodes that the store holds and the checkpoint does not account for
+        are counted as ``lost_at_restart``."""
         s, st = self.settings, self.state
+        self.dropped = Counter(st.dropped)
+        if self.store is not None:
+            await asyncio.to_thread(self._count_lost_at_restart)
         self.gate = StalenessGate(
             s.batch_size, s.eta, version=version, accepted=len(st.consumed_groups)
         )
@@ -162,11 +208,23 @@ class GroupSource:
                     self._failure.result()
                 self._producer.result()
             out.append(get.result())
+        for group in out:  # the loop's now: trained, or redone after a restart
+            self._pending.pop(group.number, None)
+            self._counted.pop(group.number, None)
         self.state.dropped = dict(self.dropped)
         return out
 
     async def set_version(self, version: int) -> None:
+        """The policy is at ``version`` now (the loop calls it after each step, before its
+        checkpoint): the totals go to ``state`` and the store commits what they count, so a
+        checkpoint never counts an episode that a ``kill -9`` could take from the store."""
         assert self.gate is not None
+        self.state.dropped = dict(self.dropped)
+        if self.store is not None:
+            try:
+                await self.store.flush()
+            except Exception as exc:  # the proxy answers 503 for it; the step goes on
+                log.warning("the episode store failed to commit: %r", exc)
         await self.gate.set_version(version)
 
     async def prepare(self) -> None:
@@ -184,6 +242,10 @@ class GroupSource:
             self._failure.cancel()
         elif self._failure is not None and not self._failure.cancelled():  # stopped before
             self._failure.exception()  # retrieved: no "never retrieved" warning
+        proxy = self.live_proxy()
+        if proxy is not None:  # episodes cut short: a model call in flight gets a 409
+            for session in proxy.sessions.open_sessions():
+                proxy.sessions.end(session, reason="cancelled")
         self.state.dropped = dict(self.dropped)
 
     def metrics(self) -> dict[str, float]:
@@ -191,14 +253,80 @@ class GroupSource:
         return self.judge.metrics() if self.judge is not None else {}
 
     async def close(self) -> None:
-        """:meth:`stop`, then release what the source owns (the judge, the episode store)."""
+        """:meth:`stop`, then stop serving (:meth:`stop_serving`: the HTTP server, the worker
+        hub), then release what the source owns (the judge, then the episode store, last: a
+        request still in flight while anything is served can be recorded)."""
         await self.stop()
+        await self.stop_serving()
         if self.judge is not None:
             await self.judge.close()
         if self.store is not None:  # episodes cut short here end as "cancelled" in the store
             self.store.flush_sync()
             self.store.close_open("cancelled")
+            self._count_stopped()
             self.store.close()
+
+    async def stop_serving(self) -> None:
+        """Stop answering HTTP requests (what the source serves, if anything), after
+        :meth:`stop` and before the store closes."""
+
+    # ------------------------------------------------------------------ the accounting
+    def _count_lost_at_restart(self) -> None:
+        """``lost_at_restart``: the training episodes in the store that the restored state
+        neither trained (``episodes_consumed``) nor counted under ``dropped/*``; nothing on
+        a fresh run. Runs in a thread (it reads the store)."""
+        assert self.store is not None
+        self.store.flush_sync()
+        self._stored_before = self.store.group_counts()
+        generated = sum(n for g, n in self._stored_before.items() if self.is_training_group(g))
+        counted = sum(n for k, n in self.dropped.items() if k not in NOT_GENERATED)
+        lost = generated - self.state.episodes_consumed - counted
+        if lost > 0:
+            self.dropped["lost_at_restart"] += lost
+        elif lost < 0:  # a checkpoint of an older version (it counted groups), or rows lost
+            log.warning(
+                "the episode store holds %d training episodes, %d fewer than the restored "
+                "checkpoint accounts for (trained %d, dropped %d)",
+                generated,
+                -lost,
+                self.state.episodes_consumed,
+                counted,
+            )
+        self.state.dropped = dict(self.dropped)
+
+    def _count_stopped(self) -> None:
+        """``stopped``: the episodes of the groups still pending when the source closes (in
+        flight, or finished and not yet handed to the loop), as the store recorded them since
+        :meth:`start`, less those already counted."""
+        assert self.store is not None
+        if self._pending:
+            counts = self.store.group_counts()
+            recorded = sum(
+                counts.get(name, 0) - self._stored_before.get(name, 0)
+                for name in set(self._pending.values())
+            )
+            lost = recorded - sum(self._counted[g] for g in self._pending)
+            if lost > 0:
+                self.dropped["stopped"] += lost
+        self._pending.clear()
+        self._counted.clear()
+        self.state.dropped = dict(self.dropped)
+
+    def _drop(self, g: int, results: list[EpisodeResult], unused: str | None) -> None:
+        """Count the episodes of group ``g`` that will not be trained: a failed one under its
+        end reason, one without a completion under ``no_completions``, and with ``unused``
+        (the group is not trained) every other one under ``unused``."""
+        for r in results:
+            if not r.ok:
+                reason = r.end_reason
+            elif not r.episode.completions:
+                reason = "no_completions"
+            elif unused is not None:
+                reason = unused
+            else:
+                continue
+            self.dropped[reason] += 1
+            self._counted[g] += 1
 
     # ------------------------------------------------------------------ producing
     async def _produce(self) -> None:
@@ -213,6 +341,7 @@ class GroupSource:
             else:
                 g = self.state.next_group
                 self.state.next_group += 1
+            self._pending[g] = self.group_name(g)
             self._spawn(self._group(g))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
@@ -239,12 +368,10 @@ class GroupSource:
         if k:
             probe = _usable(results)
             probed_out = len(probe) >= 2 and _uniform(probe)
-            if probed_out:
-                self.dropped["uniform_probe"] += 1
-            else:
+            if not probed_out:
                 results += await self._timed_episodes(g, s.group_size - k, k)
         if s.redo_lost and any(r.end_reason == "agent_lost" for r in results):
-            self._count_failures(results)
+            self._drop(g, results, "regenerated")  # the finished ones are thrown away too
             self._redo.append(g)  # generated again; the gate admits it like a new group
             await self.gate.finish(accepted=False)
             return
@@ -262,14 +389,10 @@ class GroupSource:
             spans.add("rollout", "group_tail", min(ends), max(ends), group=g)
         return results
 
-    def _count_failures(self, results: list[EpisodeResult]) -> None:
-        for r in results:
-            if not r.ok:
-                self.dropped[r.end_reason] += 1
-
     async def _settle(self, g: int, results: list[EpisodeResult], probed_out: bool) -> None:
-        """A finished group: counted, checked (enough usable episodes; not uniform under
-        dynamic sampling), its gate slot freed, and queued for training or skipped."""
+        """A finished group: checked (enough usable episodes; not uniform under dynamic
+        sampling), its episodes that will not be trained counted, its gate slot freed, and
+        queued for training or skipped."""
         s = self.settings
         assert self.gate is not None
         if self.judge is not None and not probed_out:
@@ -278,17 +401,23 @@ class GroupSource:
             if self.store is not None:
                 for r in rescored:
                     self.store.put_rescored(r.episode)
-        self._count_failures(results)
         ok = _usable(results)
-        keep = not probed_out and len(ok) >= s.min_episodes
-        if keep and s.dynamic_sampling and _uniform(ok):
-            keep = False
-            self.dropped["uniform_group"] += 1
+        unused = None
+        if probed_out:
+            unused = "uniform_probe"
+        elif len(ok) < s.min_episodes:
+            unused = "group_too_small"
+        elif s.dynamic_sampling and _uniform(ok):
+            unused = "uniform_group"
+        self._drop(g, results, unused)
+        keep = unused is None
         await self.gate.finish(accepted=keep)
         if keep:
             await self._queue.put(Group(g, ok))
         else:
             self.state.skipped_groups.append(g)  # never redone; the gate admits a new group
+            self._pending.pop(g, None)
+            self._counted.pop(g, None)
 
 
 def _usable(results: list[EpisodeResult]) -> list[EpisodeResult]:
@@ -328,7 +457,7 @@ class EnvSource(GroupSource):
             self.make_env,
             n,
             seed=s.seed_base + g,
-            group_id=f"g{g}",
+            group_id=self.group_name(g),
             sampling_seed=(s.seed_base + g) * s.group_size + first,
             agent=self.agent,
         )
@@ -363,9 +492,9 @@ class AgentSource(EnvSource):
         await self.prepare()
         await super().start(version)
 
-    async def close(self) -> None:
-        await super().close()
+    async def stop_serving(self) -> None:
         await self.server.stop()
+        self._serving = False
 
 
 class ExternalSource(AgentSource):
@@ -390,18 +519,20 @@ class ExternalSource(AgentSource):
     def local_agent(self) -> Any:
         return None  # the agents are the workers'
 
-    async def close(self) -> None:
-        await GroupSource.close(self)  # episodes cancelled first: their tasks are withdrawn
-        self.hub.close()  # then waiting long-polls return at once
-        await self.server.stop()
+    async def stop_serving(self) -> None:
+        # the episodes were cancelled first (stop): their tasks are withdrawn, and calls on
+        # them get 409 task_over; now waiting long-polls get 503 at once, then the server
+        # finishes the requests in flight and stops, all before the store closes
+        self.hub.close()
+        await super().stop_serving()
 
 
 class RaySource(EnvSource):
     """The runner's episodes on Ray rollout-worker actors (env- or agent-driven), the engine
-    an actor too; the policy trains in this process. Closing ends the worker actors."""
+    an actor too; the policy trains in this process. Closing ends the worker actors, before
+    the store closes: their proxies' records reach it first."""
 
-    async def close(self) -> None:
-        await super().close()
+    async def stop_serving(self) -> None:
         await self.runner.close()
 
 

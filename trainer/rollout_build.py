@@ -98,10 +98,10 @@ def build_rollout(
         "sampling_by_kind": {k: dict(v) for k, v in cfg.sampling.by_kind.items()},
     }
     if cfg.ray_rollout:
-        engine, runner = _ray_rollout(cfg, model_path, runner_kwargs)
+        engine, runner = _ray_rollout(cfg, model_path, runner_kwargs, out)
         ray_source = RaySource(settings, state, runner, make_env, agent)
-        ray_source.judge = make_judge(cfg.rewards, None, out)  # over rewards.judge.base_url
-        return Rollout(engine, ray_source)
+        judge = make_judge(cfg.rewards, None, out)  # over rewards.judge.base_url
+        return _stored(engine, ray_source, runner.store, judge)
 
     engine = build_engine(
         cfg,
@@ -204,7 +204,9 @@ def _worker_endpoint(cfg: TrainConfig, out: Path) -> tuple[int, str]:
     return port, token
 
 
-def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any]) -> Any:
+def _ray_rollout(
+    cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any], out: Path
+) -> Any:
     """``scheduler: ray``: the engine and the episodes run as Ray actors
     (:mod:`areal_agents.rollout.cluster`, :mod:`areal_agents.rollout.ray_runner`) while the
     policy trains in this process; new weights reach the engine actors through the object
@@ -213,12 +215,16 @@ def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any
     Joins ``$RAY_ADDRESS`` or a cluster started with ``ray start`` on this machine, else starts
     a local one (Ray shuts that down when the process exits). One engine actor (a GPU when the
     cluster has one; on the cores ``rollout.engine_cpus`` names); rollout workers: one per
-    node, at least 2.
+    node, at least 2, their proxies recording into ``RUN_DIR/episodes.db`` through a
+    store-writer actor (:mod:`areal_agents.rollout.ray_store`).
     """
     from areal_agents.rollout.cluster import EmbeddedSpec, RayEngine, connect  # noqa: PLC0415  it imports ray, an optional extra
     from areal_agents.rollout.ray_runner import RayRunner  # noqa: PLC0415  it imports ray, an optional extra
+    from areal_agents.rollout.ray_store import RayStore  # noqa: PLC0415  it imports ray, an optional extra
 
     connect()
+    store = RayStore.start(out / "episodes.db")  # every episode of the run, for inspection
+    store.close_open("lost_at_restart")  # a resumed run redoes the groups it had in flight
     spec = EmbeddedSpec(
         model=None if cfg.model.path is None else model_path,  # None: prepared on its node
         dtype=resolve_dtype(cfg.model.dtype, default_device(cfg.model.device)),
@@ -232,4 +238,4 @@ def _ray_rollout(cfg: TrainConfig, model_path: str, runner_kwargs: dict[str, Any
     # the idle-priority replica reserves no CPU: it runs on what others leave
     extra = [] if idle is None else [(replace(spec, cpus=idle, idle_priority=True), 0.0)]
     engine = RayEngine.start(spec, num_cpus=float(len(cores)) if cores else 1.0, extra=extra)
-    return engine, RayRunner(engine, model_path, **runner_kwargs)
+    return engine, RayRunner(engine, model_path, store=store, **runner_kwargs)

@@ -21,6 +21,9 @@ from areal_agents.serve.api_error import ApiError
 from areal_agents.trainer.checkpoint import RunState
 from areal_agents.trainer.rollout import GroupSource, SourceSettings
 
+_RESERVED = ("judge-", "eval-")
+"""Group-name prefixes of the sessions in a run's store that are not training episodes."""
+
 
 @dataclass
 class _OpenGroup:
@@ -59,8 +62,11 @@ class SessionSource(GroupSource):
     * Checks as for every source: failed ends (any ``reason`` other than terminated or
       truncated) are dropped and counted by reason; dynamic sampling drops uniform groups.
     * A restart (``--resume``) cannot redo a group: its sessions lived in the stopped
-      process. The groups in flight then are skipped (``dropped/lost_at_restart``), and their
-      session keys are unknown to the new proxy.
+      process. The groups in flight then are skipped, their sessions counted under
+      ``dropped/lost_at_restart`` (episodes, from the store), and their session keys are
+      unknown to the new proxy.
+    * Group names starting with ``judge-`` or ``eval-`` are refused (400): the store keeps
+      the judge's and held-out sessions under such names, apart from training episodes.
     """
 
     def __init__(
@@ -92,17 +98,22 @@ class SessionSource(GroupSource):
         await super().start(version)
 
     async def close(self) -> None:
-        self._closed = True
+        self._closed = True  # new sessions get a 503 from now on
         for group in self._open.values():
             if group.expiry is not None:
                 group.expiry.cancel()
         await super().close()
+
+    async def stop_serving(self) -> None:
         await self.server.stop()
 
+    def is_training_group(self, name: str | None) -> bool:
+        return name is not None and not name.startswith(_RESERVED)
+
     async def _produce(self) -> None:
-        for g in self._redo:  # their sessions were in the stopped process's memory
-            self.state.skipped_groups.append(g)
-            self.dropped["lost_at_restart"] += 1
+        # their sessions were in the stopped process's memory; the store's count of them
+        # is in dropped/lost_at_restart already (start)
+        self.state.skipped_groups.extend(self._redo)
         self._redo.clear()
         await asyncio.Event().wait()  # the groups come from the proxy's session hooks
 
@@ -116,6 +127,13 @@ class SessionSource(GroupSource):
                 400,
                 f"this run trains on groups of {self.settings.group_size} sessions: send "
                 "'group', the same name for the sessions that answer one request",
+                param="group",
+            )
+        if name.startswith(_RESERVED):
+            raise ApiError(
+                400,
+                f"group {name!r}: names starting with {' or '.join(_RESERVED)} are the "
+                "judge's and held-out evaluations' in the episode store; choose another name",
                 param="group",
             )
         group = self._open.get(name)
@@ -148,6 +166,7 @@ class SessionSource(GroupSource):
         number = self.state.next_group
         self.state.next_group += 1
         group = self._open[name] = _OpenGroup(number, name)
+        self._pending[number] = name
         if self.episode_timeout_s is not None:
             loop = asyncio.get_running_loop()
             group.expiry = loop.call_later(self.episode_timeout_s, self._expire, group)

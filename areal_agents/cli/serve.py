@@ -28,7 +28,7 @@ import httpx
 from openai import OpenAI
 from tqdm import tqdm
 
-from areal_agents.cli.backend import load_server_engine
+from areal_agents.cli.backend import eval_split, load_server_engine
 from areal_agents.cli.common import json_object, load_agent_arg
 from areal_agents.envs.registry import make, probe
 from areal_agents.errors import ConfigError
@@ -101,9 +101,10 @@ def _smoke(proxy: Any, host: str) -> int:
 
 
 def _load_proxy(args: argparse.Namespace) -> Any:
+    settings = _proxy_args(args)  # checked before a model loads
     if args.backend != "embedded":  # a vLLM / SGLang server (see areal_agents.cli.backend)
         engine, tokenizer = load_server_engine(args)
-        return Proxy(engine, tokenizer, admin_key=args.admin_key, **_store_args(args))
+        return Proxy(engine, tokenizer, **settings, **_store_args(args))
     if args.engine_url:
         raise ConfigError("--engine-url needs --backend vllm or --backend sglang")
     path = resolve_model(args.model)
@@ -122,7 +123,21 @@ def _load_proxy(args: argparse.Namespace) -> Any:
             max_batch_size=args.max_batch_size,
         )
         engine._decode = tokenizer.decode
-    return Proxy(engine, tokenizer, admin_key=args.admin_key, **_store_args(args))
+    return Proxy(engine, tokenizer, **settings, **_store_args(args))
+
+
+def _proxy_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The proxy's ``admin_key`` (``--admin-key``) and ``self_rewarding``
+    (``--no-self-rewarding``: rewards, ends and deletes take the admin key only, so an agent
+    cannot score itself); the latter needs an admin key, else no one could post a reward."""
+    self_rewarding = getattr(args, "self_rewarding", True)
+    if not self_rewarding and not args.admin_key:
+        raise ConfigError(
+            "--no-self-rewarding: rewards, ends and deletes then need the admin key, and "
+            "none is set; give --admin-key KEY (or set $AREAL_ADMIN_KEY), or drop "
+            "--no-self-rewarding"
+        )
+    return {"admin_key": args.admin_key, "self_rewarding": self_rewarding}
 
 
 def _store_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,10 +171,8 @@ def eval_command(args: argparse.Namespace) -> int:
             f"{args.env} needs a simulated user: with --ray, give --user-model URL (an "
             "OpenAI-compatible endpoint)"
         )
-    try:  # unknown ids and bad kwargs fail before the model loads
-        make(args.env, **env_kwargs).close()
-    except TypeError as exc:
-        raise ConfigError(f"--env-kwargs: {args.env} does not take them: {exc}") from None
+    # unknown ids and bad kwargs fail before the model loads; the test split by default
+    env_kwargs = eval_split(args.env, env_kwargs)
     agent = load_agent_arg(args.agent, args.agent_kwargs, args.max_turns) if args.agent else None
     if not 0 < args.top_p <= 1 or args.top_k < 0:
         raise ConfigError("--top-p must be in (0, 1] and --top-k >= 0 (0 keeps every token)")
@@ -168,7 +181,7 @@ def eval_command(args: argparse.Namespace) -> int:
         sampling["top_p"] = args.top_p
     if args.top_k:
         sampling["top_k"] = args.top_k
-    db = _eval_store(args, use_ray)
+    db = _eval_store(args)
     with _ray_session(args), _eval_runner(args, sampling) as (runner, close):
         if simulated_user and not args.user_model:  # the served model plays the user
             env_kwargs.update(_served_user(runner.proxy, runner.base_url, args.max_tokens))
@@ -219,11 +232,11 @@ def eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_store(args: argparse.Namespace, use_ray: bool) -> Path | None:
-    """With ``--out DIR`` and neither ``--store`` nor ``--ray``: the eval's proxy records
-    into a fresh ``DIR/episodes.db`` (an earlier one is replaced, as the other outputs
-    are); its path, else None."""
-    if not args.out or args.store or use_ray:
+def _eval_store(args: argparse.Namespace) -> Path | None:
+    """With ``--out DIR`` and no ``--store``: the eval records into a fresh
+    ``DIR/episodes.db`` (an earlier one is replaced, as the other outputs are), with
+    ``--ray`` too; its path, else None."""
+    if not args.out or args.store:
         return None
     db = Path(args.out).expanduser() / "episodes.db"
     db.parent.mkdir(parents=True, exist_ok=True)
@@ -286,7 +299,8 @@ def _served_user(proxy: Any, base_url: str | None, max_tokens: int) -> dict[str,
 @contextlib.contextmanager
 def _eval_runner(args: argparse.Namespace, sampling: dict[str, Any]) -> Iterator[Any]:
     """(runner, async close) for ``eval``: a local Runner behind a proxy server, or a RayRunner
-    whose workers each hold their own proxy."""
+    whose workers each hold their own proxy, all recording into ``--store`` through one
+    store-writer actor (:mod:`areal_agents.rollout.ray_store`)."""
     settings = {
         "concurrency": args.concurrency,
         "max_turns": args.max_turns,
@@ -295,18 +309,20 @@ def _eval_runner(args: argparse.Namespace, sampling: dict[str, Any]) -> Iterator
     }
     if _uses_ray(args):
         from areal_agents.rollout.ray_runner import RayRunner  # noqa: PLC0415  loads ray with --ray
+        from areal_agents.rollout.ray_store import RayStore  # noqa: PLC0415  loads ray with --ray
 
-        if args.store:
-            raise ConfigError(
-                "--store: with --ray every worker holds a proxy of its own; drop one of them"
-            )
+        store = RayStore.start(args.store) if args.store else None  # a bad store fails first
+        if store is not None:
+            print(f"recording into {store.url.split('@')[-1]}", file=sys.stderr)
         path = resolve_model(args.model)
         engine = _ray_engine(args, path)
-        runner = RayRunner(engine, path, workers=args.ray_workers, **settings)
+        runner = RayRunner(engine, path, workers=args.ray_workers, store=store, **settings)
 
         async def close() -> None:
-            await runner.close()
+            await runner.close()  # the workers' records reach the store first
             await engine.close()
+            if store is not None:
+                store.close()
 
         yield runner, close
         return

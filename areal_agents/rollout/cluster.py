@@ -14,6 +14,9 @@ runs the episodes.
                                                    ▼  token ids in, GenerateResult out
     RayEngine.update_weights ─ actor call ─▶ EngineHost     (M replicas, GPUs when there are)
                                                an Engine built on its node (embedded default)
+    RayStore (trainer's writes) ─ actor call ─▶ StoreHost   (1, on the driver's node)
+                                               the run's EpisodeStore; each worker's proxy
+                                               writes to it through a StoreLink of its own
 
 Choices made:
 
@@ -27,6 +30,11 @@ Choices made:
   HTTP, was rejected: that proxy would tokenize and parse every call of the whole cluster,
   rewards would cost extra round trips, and the driver would need an address every node can
   reach.
+* **One episode store.** Every worker's proxy records its sessions into the run's store
+  (``RUN_DIR/episodes.db``, or ``eval --store``) through a store-writer actor on the
+  driver's node, in batches and in order, the same rows a local proxy writes
+  (:mod:`areal_agents.rollout.ray_store`); an episode comes back once its records are
+  committed.
 * **Agents** (agent-driven episodes) talk HTTP to a proxy server that their worker starts on
   loopback, the first time it runs one; the agent object, like the env factory, is shipped to
   the object store once (it must pickle with cloudpickle).

@@ -13,6 +13,12 @@ Dispatch: an episode goes to the live worker with the fewest episodes in flight 
 runner; ``concurrency`` bounds them over the whole pool (each worker's own runner gets an equal
 share). The env factory and the agent travel to the object store once and are reused.
 
+Recording: with a ``store`` (a :class:`~areal_agents.rollout.ray_store.RayStore`), every
+worker's proxy records into the run's episode store through the store-writer actor, exactly
+the rows a local run's proxy writes (:mod:`areal_agents.rollout.ray_store`); a worker returns
+an episode once its records are committed. The sessions a dead worker left open end there as
+``"worker_lost"``.
+
 Fault tolerance: workers are created with ``max_restarts`` and called with
 ``max_task_retries=0``, so every loss is seen here. When a worker dies under an episode, the
 runner waits for Ray to restart it (or retires it when its restarts are spent), then runs the
@@ -52,6 +58,7 @@ from areal_agents.rollout.cluster import (
     ray,
     wait_ready,
 )
+from areal_agents.rollout.ray_store import RayStore, StoreLink
 from areal_agents.rollout.runner import EnvFactory, EpisodeResult, Runner
 from areal_agents.serve.chat import ChatTokenizer
 from areal_agents.serve.proxy import Proxy
@@ -104,14 +111,25 @@ class RolloutWorker:
 
     The tokenizer files come with every call, as an object reference inside a list (so Ray
     passes the reference, not the bytes): the worker builds its proxy on its first call, and
-    after a restart on the first call again. The driver keeps the files alive.
+    after a restart on the first call again. The driver keeps the files alive. With
+    ``store_info`` (:attr:`RayStore.info`) the proxy records through a
+    :class:`~areal_agents.rollout.ray_store.StoreLink` of its own (a new one after a restart).
     """
 
-    def __init__(self, engine_info: dict[str, Any], runner_kwargs: dict[str, Any]) -> None:
-        # The engine actors are found by name: actor handles among the constructor's arguments
-        # would make Ray warn that a restart may lose them.
+    def __init__(
+        self,
+        engine_info: dict[str, Any],
+        runner_kwargs: dict[str, Any],
+        store_info: dict[str, Any] | None = None,
+    ) -> None:
+        # The engine actors (and the store writer) are found by name: actor handles among the
+        # constructor's arguments would make Ray warn that a restart may lose them.
         self._engine = RayEngine.find(engine_info)
         self._runner_kwargs = runner_kwargs
+        self._store_info = store_info
+        self._link: StoreLink | None = None
+        self.link_id = f"worker-{uuid.uuid4().hex[:12]}"
+        """This process's link to the store (a restarted worker gets a new one)."""
         self._runner: Runner | None = None
         self._setup = asyncio.Lock()
         self._server: Any = None
@@ -120,17 +138,21 @@ class RolloutWorker:
         async with self._setup:
             if self._runner is None:
                 files: TokenizerFiles = await tokenizer[0]
-                proxy = Proxy(self._engine, files.load())
+                if self._store_info is not None and self._link is None:
+                    self._link = StoreLink.find(self._store_info, self.link_id)
+                # restore=False: a worker's sessions are its own episodes', never an earlier
+                # process's (a re-run episode opens a new session)
+                proxy = Proxy(self._engine, files.load(), store=self._link, restore=False)
                 self._runner = Runner(proxy, **self._runner_kwargs)
         return self._runner
 
     async def pid(self) -> int:
         return os.getpid()
 
-    async def ping(self, tokenizer: list[Any]) -> tuple[int, str]:
-        """Ready to run episodes: (process id, node id)."""
+    async def ping(self, tokenizer: list[Any]) -> tuple[int, str, str]:
+        """Ready to run episodes: (process id, node id, store link id)."""
         await self._ready(tokenizer)
-        return os.getpid(), ray.get_runtime_context().get_node_id()
+        return os.getpid(), ray.get_runtime_context().get_node_id(), self.link_id
 
     async def run_episode(
         self,
@@ -146,25 +168,32 @@ class RolloutWorker:
         if agent is not None and runner.base_url is None:
             self._server = ProxyServer.start(runner.proxy)  # loopback, for this node's agents
             runner.base_url = self._server.base_url
-        return await runner.run_episode(
-            make_env,
-            seed=seed,
-            options=options,
-            agent=agent,
-            group_id=group_id,
-            sampling_seed=sampling_seed,
-        )
+        try:
+            return await runner.run_episode(
+                make_env,
+                seed=seed,
+                options=options,
+                agent=agent,
+                group_id=group_id,
+                sampling_seed=sampling_seed,
+            )
+        finally:  # the episode is in the store before the driver sees it
+            if self._link is not None:
+                await self._link.drain()
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        if self._link is not None:  # what the proxy recorded so far reaches the store first
+            await self._link.drain()  # (not closed: episodes still running may record on)
 
 
 @dataclass(eq=False)
 class _Worker:
     handle: Any
     pid: int = 0
+    link: str = ""
     inflight: int = 0
     generation: int = 0
     dead: bool = False
@@ -179,7 +208,9 @@ class RayRunner:
     alive node, at least 2, spread over the nodes. ``concurrency`` bounds the episodes in flight
     over all workers (each worker gets an equal share). ``max_restarts``: how often Ray restarts
     a dead worker; ``episode_retries``: how often an episode whose worker died is run again
-    before it is returned with end reason ``"worker_lost"``. Blocks until every worker is up.
+    before it is returned with end reason ``"worker_lost"``. ``store``: the episode store the
+    workers' proxies record into (its owner closes it, after this runner). Blocks until every
+    worker is up.
     """
 
     def __init__(
@@ -199,6 +230,7 @@ class RayRunner:
         episode_retries: int = 1,
         restart_timeout_s: float = 120.0,
         ready_timeout_s: float = 300.0,
+        store: RayStore | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -226,7 +258,8 @@ class RayRunner:
             scheduling_strategy="SPREAD",
         )
         self._tokenizer = [ray.put(files)]
-        handles = [actor.remote(engine.info, runner_kwargs) for _ in range(n)]
+        store_info = None if store is None else store.info
+        handles = [actor.remote(engine.info, runner_kwargs, store_info) for _ in range(n)]
         try:
             ready = wait_ready(
                 [h.ping.remote(self._tokenizer) for h in handles],
@@ -239,13 +272,17 @@ class RayRunner:
                 ray.kill(h)
             raise
         self.engine = engine
+        self.store = store
+        """The episode store the workers record into (None: they record nothing)."""
         self.episode_retries = episode_retries
         self.restart_timeout_s = restart_timeout_s
         self.counters: Counter[str] = Counter()
         """episodes, worker_failures, worker_restarts, workers_retired, episodes_rerun,
         episodes_lost (returned with end reason "worker_lost")."""
-        self._workers = [_Worker(h, pid) for h, (pid, _) in zip(handles, ready, strict=True)]
-        self.nodes = sorted({node for _, node in ready} | set(engine.nodes))
+        self._workers = [
+            _Worker(h, pid, link=link) for h, (pid, _, link) in zip(handles, ready, strict=True)
+        ]
+        self.nodes = sorted({node for _, node, _ in ready} | set(engine.nodes))
         """The nodes the workers and the engine replicas started on."""
         self._slots = asyncio.Semaphore(concurrency)
         self._refs: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
@@ -349,14 +386,22 @@ class RayRunner:
             self.counters["worker_failures"] += 1
             try:
                 ping = worker.handle.ping.options(max_task_retries=-1).remote(self._tokenizer)
-                pid, _ = await asyncio.wait_for(ping, self.restart_timeout_s)
+                pid, _, link = await asyncio.wait_for(ping, self.restart_timeout_s)
             except (RayActorError, TimeoutError):
                 worker.dead = True
                 self.counters["workers_retired"] += 1
+                self._end_link(worker.link)
                 return
             if pid != worker.pid:
                 worker.pid = pid
                 self.counters["worker_restarts"] += 1
+            if link != worker.link:  # a new process: the old one's open sessions are lost
+                self._end_link(worker.link)
+                worker.link = link
+
+    def _end_link(self, link: str) -> None:
+        if self.store is not None and link:
+            self.store.end_link(link, WORKER_LOST)
 
     def _shipped(self, obj: Any, what: str) -> Any:
         """``obj`` in the object store, once per object (the last 64 kept)."""

@@ -8,11 +8,12 @@ agent=hub.remote_agent)``. ``await hub.remote_agent(task)`` queues the episode's
 the runner then has the env score the recorded conversation. The trainer decides *when*
 tasks are queued (its staleness gate admits a group), workers decide how many they run.
 
-HTTP API (every route needs ``Authorization: Bearer <worker token>``, else a 401)::
+HTTP API (every route needs ``Authorization: Bearer <worker token>``, else a 401; a tool
+call also takes its task's ``tool_key``)::
 
     POST /workers/tasks/next                {worker_id?, wait_s?}   long-poll for a task
-         -> {id, session: {id, api_key, base_url}, model, messages, tools, task_id,
-             group_id, metadata, heartbeat_s, episode_timeout_s}
+         -> {id, session: {id, api_key, base_url}, model, messages, tools, tool_key,
+             task_id, group_id, metadata, heartbeat_s, episode_timeout_s}
          or 429 + Retry-After when no task came within wait_s (default 20 s, at most
          max_wait_s): the trainer's staleness gate is full, or it is between steps
     POST /workers/tasks/{id}/heartbeat      -> {ok: true}
@@ -21,8 +22,18 @@ HTTP API (every route needs ``Authorization: Bearer <worker token>``, else a 401
     POST /workers/tasks/{id}/result         {final_answer: str | null, error: str | null}
 
 The worker calls the model itself, through the session's ``base_url`` and ``api_key`` (so
-every call is recorded on the episode); the session key cannot post rewards when the proxy
-runs with ``self_rewarding=False``. The hub registers its token as a privileged proxy key.
+every call is recorded on the episode); the session key cannot post rewards (the proxy runs
+with ``self_rewarding=False``), and neither can the worker token: the env scores the
+episode, so the token reaches the ``/workers`` routes only, and any ``/sessions`` route
+answers it 403 (rewards posted by a service are self-rewarded training's,
+``rollout.agents: self_rewarded``).
+
+The ``tool_key`` of a task (an HMAC of its id under the worker token, so it tells nothing
+about the token) calls that task's tools and nothing else: the worker hands its agent tools
+that hold the tool key, not the worker token. That keeps the token out of every object the
+agent is given; it is not a boundary against agent code that reads the worker's memory (it
+runs in the same process). What holds whatever the agent does is the server's side: no key
+a worker holds can post a reward or end an episode of an env-scored run.
 
 A task id the hub never handed out is a 404; a task that already has a result, was declared
 lost or was withdrawn is a 409 (its episode is over: drop it). An unknown tool is a 404 that
@@ -47,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import inspect
 import math
@@ -62,6 +74,7 @@ from urllib.parse import urlsplit
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from areal_agents.errors import AgentError, AgentLost
 from areal_agents.serve.api_error import ApiError
@@ -123,8 +136,9 @@ class WorkerHub:
     """Hands the runner's agent tasks to workers over HTTP; see the module docstring.
 
     Args:
-        proxy: The proxy whose app gets the ``/workers`` routes (added at construction).
-        token: The worker token; also registered as a privileged key of the proxy.
+        proxy: The proxy whose app gets the ``/workers`` routes (added at construction) and
+            a guard that answers the worker token 403 on every ``/sessions`` route.
+        token: The worker token.
         heartbeat_timeout_s: A handed-out task silent for this long is lost. Workers are
             told to heartbeat every third of it.
         episode_timeout_s: A handed-out task without a result after this long is lost
@@ -164,7 +178,6 @@ class WorkerHub:
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._pollers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._closed = False
-        proxy.privileged_keys.add(self._token)
         self._install()
 
     # ------------------------------------------------------------------ numbers
@@ -296,8 +309,14 @@ class WorkerHub:
             store.put_task(handle.id, state=handle.state, **values)
 
     # ------------------------------------------------------------------ routes
+    def tool_key(self, task_id: str) -> str:
+        """The key that calls task ``task_id``'s tools (and nothing else)."""
+        digest = hmac.new(self._token.encode(), task_id.encode(), hashlib.sha256).hexdigest()
+        return "wtool-" + digest[:48]
+
     def _install(self) -> None:
         app = self.proxy.app
+        app.add_middleware(_SessionsGuard, token=self._token, counters=self.proxy.counters)
         polled = error_responses(400, 401, 413, 429, 503)
         task = error_responses(400, 401, 404, 409, 413)
         app.add_api_route(
@@ -429,6 +448,7 @@ class WorkerHub:
             "model": task.model,
             "messages": _json_safe(list(task.messages)),
             "tools": [_json_safe(_schema(t)) for t in task.tools],
+            "tool_key": self.tool_key(handle.id),
             "task_id": task.task_id,
             "group_id": task.group_id,
             "metadata": _json_safe({k: v for k, v in task.info.items() if k != "tools"}),
@@ -465,7 +485,9 @@ class WorkerHub:
         return {"ok": True, "id": task_id}
 
     async def call_tool(self, task_id: str, tool_name: str, request: Request) -> dict[str, Any]:
-        self._auth(request)
+        key = (Proxy._bearer(request) or "").encode()
+        if not hmac.compare_digest(key, self.tool_key(task_id).encode()):
+            self._auth(request)
         body = await _parse(request, ToolCallIn, allow_empty=True)
         with self._lock:
             handle = self._live(task_id)
@@ -499,6 +521,36 @@ class WorkerHub:
             else:
                 self._finish_locked(handle, _DONE, body.final_answer)
         return {"ok": True, "id": task_id}
+
+
+class _SessionsGuard:
+    """ASGI middleware: the worker token on a ``/sessions`` route is a 403 (rewards, ends,
+    deletes and reads of sessions are not the worker's in an env-scored run)."""
+
+    def __init__(self, app: ASGIApp, token: str, counters: Counter[str]) -> None:
+        self.app = app
+        self.bearer = f"bearer {token}".encode()
+        self.counters = counters
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/sessions"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, rest = given.partition(b" ")
+            if hmac.compare_digest(scheme.lower() + b" " + rest.strip(), self.bearer):
+                self.counters["http_403"] += 1
+                refusal = ApiError(
+                    403,
+                    "the worker token reaches the /workers routes only: in this run the "
+                    "env scores each episode, so no worker posts rewards, ends or deletes "
+                    "sessions; post the agent's answer to POST /workers/tasks/{id}/result "
+                    "(a service that rewards its own sessions trains with rollout.agents: "
+                    "self_rewarded)",
+                    kind="permission_error",
+                    code="env_scored",
+                )
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -214,14 +214,35 @@ class EpisodeStore(StoreWriter):
         return self.submit(op)
 
     def close_open(self, reason: str) -> int:
-        """End every open session (a trainer's restart: its groups are gone); how many."""
+        """End every open session as ``reason`` (a trainer's restart: its groups are gone),
+        and every worker task still ``queued`` or ``running`` with them: its state becomes
+        ``lost`` and its message starts with ``reason``. Returns how many sessions ended."""
+        now = time.time()
         with self.engine.begin() as conn:
             res = conn.execute(
                 sessions.update()
                 .where(sessions.c.ended.is_(False), sessions.c.deleted_at.is_(None))
-                .values(ended=True, end_reason=reason, ended_at=time.time())
+                .values(ended=True, end_reason=reason, ended_at=now)
+            )
+            conn.execute(
+                worker_tasks.update()
+                .where(worker_tasks.c.state.in_(("queued", "running")))
+                .values(
+                    state="lost",
+                    finished_at=now,
+                    message=f"{reason}: the trainer that handed out this task stopped before "
+                    f"its result came; its session ended as {reason}",
+                )
             )
         return int(res.rowcount or 0)
+
+    def group_counts(self) -> dict[str | None, int]:
+        """Sessions per ``group_id`` (None: sessions without a group), deleted ones included:
+        every episode the store ever recorded, by group (a trainer's accounting of what it
+        generated)."""
+        q = sa.select(sessions.c.group_id, sa.func.count()).group_by(sessions.c.group_id)
+        with self.engine.connect() as conn:
+            return {row[0]: int(row[1]) for row in conn.execute(q)}
 
     def expire(self, idle_s: float, now: float | None = None) -> list[str]:
         """End open sessions idle for ``idle_s`` as ``expired`` (kept, not deleted); their ids.

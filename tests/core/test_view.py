@@ -186,7 +186,7 @@ def test_episode_page_shows_the_recorded_calls_rewards_and_returns(run_dir: Path
     assert [json.loads(a.replace("&#34;", '"')) for a in args] == [{"expression": "6*7"}]
     assert 'data-role="tool"' in html and 'data-role="system"' in html
     assert "merged into parent" in html
-    assert html.count("<li class=\"tree-row") == 2  # one tree row per completion
+    assert html.count('<li class="tree-row') == 2  # one tree row per completion
     cid = trajectory["completions"][1]["id"]
     tokens = c.get(f"/runs/myrun/episodes/sess-005/tokens/{cid}?color=version").text
     assert tokens.count('class="tok out') == 3
@@ -253,7 +253,7 @@ def test_a_long_episode_shows_each_call_once_and_its_ends_first(tmp_path: Path) 
     assert [int(i) for i in shown] == [*range(20), *range(40, 60)]
     assert calls(html) == [f"{i}+1" for i in [*range(20), *range(40, 60)]]
     assert 'data-hidden="20"' in html and 'href="?turns=all#c20"' in html
-    assert html.count("<li class=\"tree-row") == 60  # the tree has every completion
+    assert html.count('<li class="tree-row') == 60  # the tree has every completion
     assert 'href="?turns=all#c33"' in html and 'href="#c45"' in html
     full = c.get("/runs/long/episodes/sess-long?turns=all").text
     assert calls(full) == [f"{i}+1" for i in range(60)]

@@ -490,12 +490,15 @@ async def test_session_keys_cannot_reward_end_or_delete_without_self_rewarding(t
             assert "rewards come from the environment" in r.json()["error"]["message"]
         ep = proxy.sessions.get(sid).episode
         assert ep.final_reward is None and ep.completions[0].reward == 0 and not ep.ended
-        # the worker token (privileged) and the admin key may
+        # neither may the worker token (the env scores: tests/core/test_worker_token.py);
+        # the admin key may
         r = await c.post(f"/sessions/{sid}/rewards", json={"value": 0.5}, headers=AUTH)
+        assert r.status_code == 403
+        admin = {"Authorization": "Bearer admin"}
+        r = await c.post(f"/sessions/{sid}/rewards", json={"value": 0.5}, headers=admin)
         assert r.status_code == 200
-        r = await c.post(f"/sessions/{sid}/end", headers={"Authorization": "Bearer admin"})
-        assert r.status_code == 200
-        assert (await c.delete(f"/sessions/{sid}", headers=AUTH)).status_code == 200
+        assert (await c.post(f"/sessions/{sid}/end", headers=admin)).status_code == 200
+        assert (await c.delete(f"/sessions/{sid}", headers=admin)).status_code == 200
 
 
 async def test_self_rewarding_default_keeps_session_keys_managing_their_session(tok):

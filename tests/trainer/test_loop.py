@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from areal_agents.errors import ConfigError
+from areal_agents.run_state import read_run_state
 from areal_agents.trainer.algorithms import ALGORITHMS
 from areal_agents.trainer.batch import (
     add_gae,
@@ -28,12 +29,12 @@ from areal_agents.trainer.batch import (
 from areal_agents.trainer.checkpoint import RunState
 from areal_agents.trainer.config_io import load_config
 from areal_agents.trainer.critic import Critic
-from areal_agents.trainer.loop import Trainer, _algorithm, out_of_time_budget
+from areal_agents.trainer.loop import Trainer, _algorithm
 from areal_agents.trainer.policy import Policy, pack
 from areal_agents.trainer.rollout import GroupSource, SourceSettings
-from areal_agents.run_state import read_run_state
 from areal_agents.trainer.staleness import StalenessGate
 from areal_agents.trainer.step import policy_updates
+from areal_agents.trainer.time_budget import out_of_time_budget
 from areal_agents.trajectory import Completion, Episode
 
 

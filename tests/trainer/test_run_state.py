@@ -1,5 +1,5 @@
 """``RUN_DIR/run.json``: the run's own state, written by ``train`` and read by the view and
-the run tools (areal_agents.trainer.run_state)."""
+the run tools (areal_agents.run_state)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from areal_agents.errors import ConfigError
-from areal_agents.trainer import loop
-from areal_agents.trainer.config_io import load_config
 from areal_agents.run_state import (
     RunStateWriter,
     pid_alive,
     read_run_state,
     update_file,
 )
+from areal_agents.trainer import loop
+from areal_agents.trainer.config_io import load_config
 
 
 def test_the_writer_starts_running_and_only_the_first_end_counts(tmp_path):
@@ -99,7 +99,8 @@ def _cfg(tmp_path: Path, model: Path, *extra: str):
 
 
 def test_train_writes_finished_with_its_reason(tiny_model_dir, tmp_path):
-    """Steps done, then a run the time limit stopped after its first step."""
+    """Steps done, then a run whose time limit was spent before its first step (loading the
+    model took longer than the budget)."""
     loop.train(_cfg(tmp_path, tiny_model_dir, "train.steps=2"), quiet=True)
     s = read_run_state(tmp_path / "run")
     assert s is not None
@@ -108,7 +109,7 @@ def test_train_writes_finished_with_its_reason(tiny_model_dir, tmp_path):
     summary = loop.train(cfg, quiet=True)
     s = read_run_state(tmp_path / "t" / "run")
     assert summary["stopped_by_time_limit"]
-    assert s is not None and (s.status, s.reason, s.step) == ("finished", "time_limit", 1)
+    assert s is not None and (s.status, s.reason, s.step) == ("finished", "time_limit", 0)
 
 
 @pytest.mark.parametrize(
