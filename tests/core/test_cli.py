@@ -99,7 +99,11 @@ def test_quickstart_shows_learning_and_writes_logs_checkpoints_and_final_model(q
     assert out.stdout.rstrip().endswith(f"(see it in the browser: areal-agent view {run})")
     evals = json.loads((run / "eval.json").read_text())
     assert [e["label"] for e in evals] == ["base", "warm_start", "final"], evals
-    assert (run / "metrics.jsonl").read_text().count("\n") == 4
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "held_out" not in r] == [1, 2, 3, 4]
+    assert [r["held_out"] for r in rows if "held_out" in r] == ["base", "warm_start", "final"]
+    state = json.loads((run / "run.json").read_text())
+    assert (state["status"], state["reason"], state["step"]) == ("finished", "steps_done", 4)
     assert any((run / "tensorboard").iterdir())
     assert (run / "checkpoints" / "latest").read_text() == "step-000004"
     assert (run / "final" / "config.json").exists()
