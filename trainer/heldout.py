@@ -172,8 +172,9 @@ class HeldOut:
 
 def metrics_of(report: EvalReport) -> dict[str, float]:
     """``eval/success_rate``, ``eval/mean_reward``, ``eval/mean_turns``,
-    ``eval/success_<kind>`` per task kind, and ``eval/tool_calls_mean`` and
-    ``eval/tool_call_valid_rate`` where the env ran tools."""
+    ``eval/success_<kind>`` per task kind, ``eval/tool_calls_mean`` and
+    ``eval/tool_call_valid_rate`` where the env ran tools, and ``eval/grounded_success_rate``
+    where the env reports grounding (a success that opened its gold documents)."""
     out = {
         "eval/success_rate": report.success_rate,
         "eval/mean_reward": report.mean_reward,
@@ -183,6 +184,8 @@ def metrics_of(report: EvalReport) -> dict[str, float]:
         out["eval/tool_calls_mean"] = report.mean_tool_calls
     if report.tool_call_validity is not None:
         out["eval/tool_call_valid_rate"] = report.tool_call_validity
+    if report.grounded_success_rate is not None:
+        out["eval/grounded_success_rate"] = report.grounded_success_rate
     out.update({f"eval/success_{k}": v for k, v in report.by_kind.items()})
     return out
 
@@ -197,6 +200,7 @@ def _row(label: str, step: int, report: EvalReport) -> dict[str, Any]:
         "mean_turns": report.mean_turns,
         "mean_tool_calls": report.mean_tool_calls,
         "tool_call_validity": report.tool_call_validity,
+        "grounded_success_rate": report.grounded_success_rate,
         "by_kind": report.by_kind,
         "end_reasons": report.end_reasons,
         "duration_s": report.duration_s,

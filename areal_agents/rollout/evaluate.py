@@ -66,6 +66,9 @@ class EvalReport:
     """Tool calls per episode, over the episodes whose env ran the tools (else None)."""
     tool_call_validity: float | None = None
     """Share of those calls whose result was not an error (None without any call)."""
+    grounded_success_rate: float | None = None
+    """Share of the episodes whose final info has ``grounded`` true: a success that read
+    every gold document (areal/Search-v0); None when no episode's env reports it."""
 
     def table(self) -> str:
         rows = [
@@ -86,6 +89,8 @@ class EvalReport:
             rows.append(("mean tool calls", f"{self.mean_tool_calls:.2f}"))
         if self.tool_call_validity is not None:
             rows.append(("valid tool calls", f"{self.tool_call_validity:.1%}"))
+        if self.grounded_success_rate is not None:
+            rows.append(("grounded success", f"{self.grounded_success_rate:.1%}"))
         rows += [
             (f"success ({kind})", f"{rate:.1%}") for kind, rate in sorted(self.by_kind.items())
         ]
@@ -110,6 +115,7 @@ def summarize(
     counted = [r for r in flat if r.tool_calls is not None]
     calls = sum(r.tool_calls or 0 for r in counted)
     errors = sum(r.tool_errors or 0 for r in counted)
+    grounded = [r.info.get("grounded") for r in flat]
     return EvalReport(
         env_id=env_id,
         tasks=len(groups),
@@ -128,6 +134,9 @@ def summarize(
         duration_s=duration_s,
         mean_tool_calls=calls / len(counted) if counted else None,
         tool_call_validity=1.0 - errors / calls if calls else None,
+        grounded_success_rate=sum(g is True for g in grounded) / len(flat)
+        if any(g is not None for g in grounded)
+        else None,
     )
 
 

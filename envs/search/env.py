@@ -11,6 +11,19 @@ in full). The reward is the exact match of the normalized answer (``reward="em"`
 token F1 (``reward="f1"``) against the accepted aliases; tool turns earn
 ``turn_reward`` (0 by default).
 
+**Evidence.** A question's gold ``chain`` is the documents to read, in order (one per hop:
+the last states the answer). The reset info gives ``hops`` and ``kind`` = ``"<hops>-hop"``
+(so evaluation reports success per hop count) but not the documents, which an agent sees;
+the env records the documents the episode opened (successful ``open`` calls), and the info
+of every later step holds ``gold_documents`` and ``opened_documents``; the final one also
+``gold_documents_opened`` and::
+
+    grounded = success and set(gold_documents) <= set(opened_documents)
+
+(None for a question without a gold chain): a *grounded success* answered from the
+documents that state the answer, not from a guess. :meth:`SearchEnv.demos` writes solved
+episodes along the gold chains of the train split, for a supervised warm start.
+
 Data: by default a procedurally generated knowledge base of fictional entities
 (:mod:`areal_agents.envs.search.kb`), so answers cannot be memorized; or any corpus (JSONL
 ``{"id", "title", "text"}``) with a QA file (JSONL ``{"question", "answer", "id"?}``).
@@ -26,7 +39,9 @@ Questions are split into train and test by a seeded shuffle, or by the QA rows' 
 from __future__ import annotations
 
 import difflib
+import json
 import os
+import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -108,6 +123,7 @@ class SearchEnv(AgentEnv):
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k: expected a positive int, got {top_k!r}")
         documents, examples, explicit = self._load(corpus, qa, kb_seed, kb_questions, hops)
+        self.split = split
         self.tasks = split_examples(
             examples, split, explicit=explicit, seed=split_seed, test_fraction=test_fraction
         )
@@ -117,6 +133,7 @@ class SearchEnv(AgentEnv):
         self.top_k = top_k
         self.max_doc_chars = max_doc_chars
         self.task: QAExample | None = None
+        self._opened: list[str] = []
         self._tools = self._make_tools()
 
     @staticmethod
@@ -197,7 +214,14 @@ class SearchEnv(AgentEnv):
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": self.task.question},
         ]
-        info = {"task_id": self.task.id, "question": self.task.question, "hops": self.task.hops}
+        self._opened = []
+        info: dict[str, Any] = {
+            "task_id": self.task.id,
+            "question": self.task.question,
+            "hops": self.task.hops,
+        }
+        if self.task.hops:
+            info["kind"] = f"{self.task.hops}-hop"
         return messages, info
 
     def _pick(self, options: Mapping[str, Any]) -> QAExample:
@@ -217,7 +241,32 @@ class SearchEnv(AgentEnv):
         return self.tasks[int(self.np_random.integers(len(self.tasks)))]
 
     def _tool_reward(self, message: Message, records: list[dict[str, Any]]) -> float:
+        calls = {
+            c.get("id"): c for c in (message.get("tool_calls") or []) if isinstance(c, Mapping)
+        }
+        for record in records:
+            if record["name"] != "open" or record["error"] is not None:
+                continue
+            doc_id = self._opened_id(calls.get(record["tool_call_id"]))
+            if doc_id is not None and doc_id not in self._opened:
+                self._opened.append(doc_id)
         return self.turn_reward
+
+    def _tool_info(self, message: Message, records: list[dict[str, Any]]) -> dict[str, Any]:
+        assert self.task is not None
+        return {"gold_documents": list(self.task.chain), "opened_documents": list(self._opened)}
+
+    def _opened_id(self, call: Mapping[str, Any] | None) -> str | None:
+        """The id of the document a successful ``open`` call read."""
+        function = call.get("function") if call else None
+        raw = function.get("arguments") if isinstance(function, Mapping) else None
+        try:
+            arguments = json.loads(raw) if isinstance(raw, str) else raw
+        except json.JSONDecodeError:
+            return None
+        doc = arguments.get("doc") if isinstance(arguments, Mapping) else None
+        document = self.retriever.get(doc.strip()) if isinstance(doc, str) else None
+        return document.id if document is not None else None
 
     def _respond(self, message: Message) -> tuple[list[Message], float, bool, dict[str, Any]]:
         assert self.task is not None
@@ -236,22 +285,112 @@ class SearchEnv(AgentEnv):
             "f1": f1,
             "predicted": predicted,
             "answers": list(task.answers),
+            **self._evidence(task, em == 1.0),
         }
         return reward, info
+
+    def _evidence(self, task: QAExample, success: bool) -> dict[str, Any]:
+        """The episode's gold and opened documents and whether its success is grounded
+        (see the module docstring)."""
+        gold = list(task.chain)
+        opened = [d for d in gold if d in self._opened]
+        return {
+            "hops": task.hops,
+            "gold_documents": gold,
+            "opened_documents": list(self._opened),
+            "gold_documents_opened": len(opened),
+            "grounded": (success and len(opened) == len(gold)) if gold else None,
+        }
 
     def score(self, messages: Sequence[Message]) -> tuple[float, dict[str, Any]]:
         """Score a conversation: the last assistant message without tool calls holds the
         answer to the current task (or, before any reset, the task whose question is the
-        first user message)."""
+        first user message). The documents it opened are replayed from its ``open`` calls
+        (for ``grounded``), and its tool turns' ``turn_reward`` is ``info["tool_rewards"]``."""
         task = self.task or self._task_for(messages)
+        self._opened = []
+        tool_rewards = self.tool_turn_rewards(messages)
         finals = [
             m
             for m in messages
             if isinstance(m, Mapping) and m.get("role") == "assistant" and not m.get("tool_calls")
         ]
-        if not finals:
-            return 0.0, {"success": False, "final_reward": 0.0, "predicted": None}
-        return self._grade(finals[-1].get("content"), task)
+        if not finals:  # no answer: graded as an empty one, worth nothing
+            _, info = self._grade(None, task)
+            info = {**info, "success": False, "final_reward": 0.0, "predicted": None}
+            return 0.0, {**info, "tool_rewards": tool_rewards}
+        reward, info = self._grade(finals[-1].get("content"), task)
+        return reward, {**info, "tool_rewards": tool_rewards}
+
+    def demos(self, n: int, seed: int = 0) -> list[list[Message]]:
+        """``n`` solved episodes of the train split, for a supervised warm start.
+
+        Each follows its question's gold chain, one tool call per turn: for every gold
+        document, ``search`` for the entity's name (the document's title: the question's
+        mention for the first, the name the previous document gives for the next), then
+        ``open`` the document by the id the search returned (by its title when the search
+        missed it); then the answer ``Answer: <canonical answer>``. The tool results are
+        those of the env's own tools, so a 1-hop demonstration is 5 messages after the
+        question's 2 and a 2-hop one 9. Questions are distinct while ``n`` <= the number of
+        train questions (then they repeat), in an order fixed by ``seed`` (for one chain
+        length only, make the env with that ``hops``). Every demonstration earns reward 1
+        and is grounded.
+
+        Raises:
+            UserError: the env is not the train split (demonstrations must never show test
+                questions), or the questions have no gold chain.
+        """
+        if n < 0:
+            raise ValueError(f"n must be non-negative, got {n}")
+        if self.split != "train":
+            raise UserError(
+                f"demos() writes train questions only, but this env holds the {self.split!r} "
+                "split; make it with split='train' (the default)"
+            )
+        pool = [t for t in self.tasks if t.chain]
+        if not pool:
+            raise UserError(
+                "no train question has a gold chain, which demos follow: give the QA rows a "
+                "'chain' of document ids, or use the generated knowledge base (corpus=None)"
+            )
+        rng = random.Random(seed)
+        order: list[QAExample] = []
+        while len(order) < n:
+            order += rng.sample(pool, len(pool))
+        return [self._demo(task, seed) for task in order[:n]]
+
+    def _demo(self, task: QAExample, seed: int) -> list[Message]:
+        """One solved episode of ``task`` along its gold chain (see :meth:`demos`)."""
+        if 2 * len(task.chain) + 1 > self.max_turns:
+            raise UserError(
+                f"question {task.id} takes {2 * len(task.chain) + 1} turns (search and open "
+                f"per document, then the answer), more than max_turns={self.max_turns}; "
+                "raise max_turns, or draw shorter chains (hops=[1])"
+            )
+        self.reset(seed=seed, options={"task_id": task.id})
+        turn = 0
+        for doc_id in task.chain:
+            document = self.retriever.get(doc_id)
+            if document is None:
+                raise UserError(
+                    f"question {task.id}: its chain names document {doc_id!r}, which is not "
+                    "in the corpus; fix the QA file's 'chain'"
+                )
+            self.step(_tool_call(f"call_{turn}", "search", query=document.title))
+            found = any(
+                h.doc_id == doc_id for h in self.retriever.search(document.title, k=self.top_k)
+            )
+            self.step(
+                _tool_call(f"call_{turn + 1}", "open", doc=doc_id if found else document.title)
+            )
+            turn += 2
+        _, reward, terminated, _, info = self.step(f"Answer: {task.answers[0]}")
+        if not (terminated and reward == 1.0 and info.get("grounded")):
+            raise UserError(
+                f"the demonstration of question {task.id} does not succeed ({info}): its "
+                "answer or gold chain does not match the corpus; fix the QA row"
+            )
+        return [dict(m) for m in self.messages]
 
     def _task_for(self, messages: Sequence[Message]) -> QAExample:
         users = [m.get("content") for m in messages if m.get("role") == "user"]
@@ -259,6 +398,15 @@ class SearchEnv(AgentEnv):
             if users and task.question == users[0]:
                 return task
         raise UserError("score() needs reset() first, or a conversation asking a known question")
+
+
+def _tool_call(call_id: str, name: str, **arguments: str) -> Message:
+    function = {"name": name, "arguments": json.dumps(arguments)}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+    }
 
 
 def _make_retriever(kind: str | Retriever, documents: list[Document]) -> Retriever:

@@ -29,7 +29,9 @@ unless the run manages it (``context.policy``). Question kinds:
     reward    = recall * precision
 
 A fact is stated when its value (or an alias: ``Velo`` for ``Velo River``) occurs in the
-normalized answer as whole words. *Names stated* are the knowledge base's entity names in
+normalized answer as whole words, and (``grounded``, the default) the episode opened the
+document that states it: an answer given at once, from memory or by guessing, earns nothing,
+so stopping early cannot pay. *Names stated* are the knowledge base's entity names in
 the answer; *spurious* ones are neither a fact's value nor an entity of the question or
 of its gold documents, so listing every name of the corpus does not pay. ``success`` is
 ``recall == 1``. Tool turns earn ``evidence_reward`` for each gold document opened for the
@@ -85,10 +87,12 @@ RESEARCH_PROMPT = (
 
 @dataclass(frozen=True)
 class Fact:
-    """One fact a research answer must state: what it is and its accepted values."""
+    """One fact a research answer must state: what it is, its accepted values and the
+    document that states it (``source``, a document id)."""
 
     label: str
     answers: tuple[str, ...]
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,8 @@ class ResearchEnv(SearchEnv):
         max_answer_words: only this many words of the final answer are graded.
         max_doc_chars: ``open`` cuts documents after this many characters.
         max_turns: the episode is truncated after this many assistant messages.
+        grounded: a fact counts only when the episode opened the document that states it
+            (its ``source``); an answer from memory, or a guess, earns nothing.
     """
 
     def __init__(
@@ -141,6 +147,7 @@ class ResearchEnv(SearchEnv):
         max_answer_words: int = 150,
         max_doc_chars: int = 4000,
         max_turns: int = 30,
+        grounded: bool = True,
     ) -> None:
         unknown = [k for k in kinds if k not in KINDS]
         if not kinds or unknown:
@@ -164,6 +171,7 @@ class ResearchEnv(SearchEnv):
         )
         self.kb = kb
         self.evidence_reward = float(evidence_reward)
+        self.grounded = bool(grounded)
         self.max_answer_words = max_answer_words
         self._names = {_key(e.name): e.name for e in kb.entities.values()}
         for entity in kb.entities.values():
@@ -198,33 +206,13 @@ class ResearchEnv(SearchEnv):
 
     def _tool_reward(self, message: Message, records: list[dict[str, Any]]) -> float:
         assert isinstance(self.task, ResearchTask)
-        calls = {
-            c.get("id"): c for c in (message.get("tool_calls") or []) if isinstance(c, Mapping)
-        }
-        new_gold = 0
-        for record in records:
-            if record["name"] != "open" or record["error"] is not None:
-                continue
-            doc_id = self._opened_id(calls.get(record["tool_call_id"]))
-            if doc_id is not None and doc_id not in self._opened:
-                self._opened.append(doc_id)
-                new_gold += doc_id in self.task.chain
+        before = len(self._opened)
+        super()._tool_reward(message, records)  # records the documents opened
+        new_gold = sum(d in self.task.chain for d in self._opened[before:])
         return self.evidence_reward * new_gold
 
     def _tool_info(self, message: Message, records: list[dict[str, Any]]) -> dict[str, Any]:
         return {"state_key": self._state_key(), "documents_opened": len(self._opened)}
-
-    def _opened_id(self, call: Mapping[str, Any] | None) -> str | None:
-        """The id of the document a successful ``open`` call read."""
-        function = call.get("function") if call else None
-        raw = function.get("arguments") if isinstance(function, Mapping) else None
-        try:
-            arguments = json.loads(raw) if isinstance(raw, str) else raw
-        except json.JSONDecodeError:
-            return None
-        doc = arguments.get("doc") if isinstance(arguments, Mapping) else None
-        document = self.retriever.get(doc.strip()) if isinstance(doc, str) else None
-        return document.id if document is not None else None
 
     def demos(self, n: int, seed: int = 0, search_fraction: float = 0.5) -> list[list[Message]]:
         """``n`` solved episodes of this env's split, for a supervised warm start.
@@ -280,7 +268,8 @@ class ResearchEnv(SearchEnv):
         words = (content or "").split()
         answer = normalize_answer(" ".join(words[: self.max_answer_words]))
         padded = f" {answer} "
-        found = [f for f in task.facts if any(f" {_key(a)} " in padded for a in f.answers)]
+        stated_facts = [f for f in task.facts if any(f" {_key(a)} " in padded for a in f.answers)]
+        found = [f for f in stated_facts if self._grounded_in_episode(f)]
         stated = {name for key, name in self._names.items() if key and f" {key} " in padded}
         allowed = set(task.allowed) | {a for f in task.facts for a in f.answers}
         spurious = sorted(stated - allowed)
@@ -294,12 +283,18 @@ class ResearchEnv(SearchEnv):
             "precision": precision,
             "facts_found": [f.label for f in found],
             "facts_missing": [f.label for f in task.facts if f not in found],
+            "facts_ungrounded": [f.label for f in stated_facts if f not in found],
             "spurious": spurious,
             "answer_words": len(words),
             "documents_opened": len(self._opened),
             "gold_documents_opened": sum(d in task.chain for d in self._opened),
         }
         return reward, info
+
+    def _grounded_in_episode(self, fact: Fact) -> bool:
+        """Whether ``fact`` may count: always without ``grounded``, else only when the
+        episode opened the document that states it."""
+        return not self.grounded or not fact.source or fact.source in self._opened
 
 
 def _tool_call(call_id: str, name: str, **arguments: str) -> Message:
@@ -360,8 +355,9 @@ _Drawn = tuple[str, list[Fact], list[str], list[str]] | None
 _SUFFIX = " Answer in a few sentences."
 
 
-def _fact(label: str, entity: Entity) -> Fact:
-    return Fact(label, (entity.name, *_aliases(entity.name)))
+def _fact(label: str, entity: Entity, source: Entity) -> Fact:
+    """The fact ``label`` whose value is ``entity``'s name, stated by ``source``'s document."""
+    return Fact(label, (entity.name, *_aliases(entity.name)), source.id)
 
 
 def _compare_founders(
@@ -375,9 +371,9 @@ def _compare_founders(
         founder, hq = e[c.relations["founded_by"]], e[c.relations["headquartered_in"]]
         born, country = e[founder.relations["born_in"]], e[hq.relations["in_country"]]
         facts += [
-            _fact(f"founder of {c.name}", founder),
-            _fact(f"birth city of {founder.name}", born),
-            _fact(f"headquarters country of {c.name}", country),
+            _fact(f"founder of {c.name}", founder, c),
+            _fact(f"birth city of {founder.name}", born, founder),
+            _fact(f"headquarters country of {c.name}", country, hq),
         ]
         chain += [c.id, founder.id, hq.id]
     question = (
@@ -396,12 +392,12 @@ def _company_profile(
     if founder.id == ceo.id:
         return None
     facts = [
-        _fact(f"founder of {c.name}", founder),
-        _fact(f"university of {founder.name}", e[founder.relations["studied_at"]]),
-        _fact(f"chief executive of {c.name}", ceo),
-        Fact(f"birth year of {ceo.name}", (ceo.attributes["birth_year"],)),
-        _fact(f"headquarters of {c.name}", hq),
-        _fact(f"river through {hq.name}", e[hq.relations["on_river"]]),
+        _fact(f"founder of {c.name}", founder, c),
+        _fact(f"university of {founder.name}", e[founder.relations["studied_at"]], founder),
+        _fact(f"chief executive of {c.name}", ceo, c),
+        Fact(f"birth year of {ceo.name}", (ceo.attributes["birth_year"],), ceo.id),
+        _fact(f"headquarters of {c.name}", hq, c),
+        _fact(f"river through {hq.name}", e[hq.relations["on_river"]], hq),
     ]
     question = (
         f"Write a short profile of the company {c.name}: who founded it and where that person "
@@ -417,11 +413,11 @@ def _person_profile(
     p = rng.choice(by_type["person"])
     born, university = e[p.relations["born_in"]], e[p.relations["studied_at"]]
     facts = [
-        _fact(f"birth city of {p.name}", born),
-        _fact(f"country of {born.name}", e[born.relations["in_country"]]),
-        _fact(f"university of {p.name}", university),
-        _fact(f"city of {university.name}", e[university.relations["located_in"]]),
-        _fact(f"river through {born.name}", e[born.relations["on_river"]]),
+        _fact(f"birth city of {p.name}", born, p),
+        _fact(f"country of {born.name}", e[born.relations["in_country"]], born),
+        _fact(f"university of {p.name}", university, p),
+        _fact(f"city of {university.name}", e[university.relations["located_in"]], university),
+        _fact(f"river through {born.name}", e[born.relations["on_river"]], born),
     ]
     question = (
         f"Tell me about {p.name}: in which city were they born and in which country is that "
@@ -442,8 +438,8 @@ def _compare_rivers(
         hq = e[c.relations["headquartered_in"]]
         river = e[hq.relations["on_river"]]
         facts += [
-            _fact(f"river through the headquarters of {c.name}", river),
-            _fact(f"source country of the {river.name}", e[river.relations["rises_in"]]),
+            _fact(f"river through the headquarters of {c.name}", river, hq),
+            _fact(f"source country of the {river.name}", e[river.relations["rises_in"]], river),
         ]
         chain += [c.id, hq.id, river.id]
     question = (

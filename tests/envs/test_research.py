@@ -32,6 +32,13 @@ def _task(env: ResearchEnv, kind: str) -> ResearchTask:
     return task
 
 
+def _start_reading(env: ResearchEnv, task: ResearchTask) -> None:
+    """Reset to ``task`` and open each of its gold documents (every fact grounded)."""
+    env.reset(options={"task_id": task.id})
+    for i, doc in enumerate(task.chain):
+        env.step(_open(i, doc))
+
+
 def test_tasks_cover_every_kind_and_are_deterministic(env: ResearchEnv) -> None:
     kinds = Counter(t.kind for t in env.tasks if isinstance(t, ResearchTask))
     assert set(kinds) == set(KINDS) and min(kinds.values()) >= 10, kinds
@@ -52,6 +59,9 @@ def test_every_fact_is_stated_in_a_gold_document(env: ResearchEnv) -> None:
         gold_text = " ".join(docs[d] for d in task.chain)
         for fact in task.facts:
             assert normalize_answer(fact.answers[0]) in gold_text, (task.id, fact)
+            # ... and in the document the fact names as its source, one of the gold ones
+            assert fact.source in task.chain, (task.id, fact)
+            assert normalize_answer(fact.answers[0]) in docs[fact.source], (task.id, fact)
             # the question never gives a fact away
             assert normalize_answer(fact.answers[0]) not in normalize_answer(task.question)
         # the question names its first gold document's entity
@@ -60,7 +70,7 @@ def test_every_fact_is_stated_in_a_gold_document(env: ResearchEnv) -> None:
 
 def test_reward_is_recall_times_precision_by_hand(env: ResearchEnv) -> None:
     task = _task(env, "person_profile")
-    env.reset(options={"task_id": task.id})
+    _start_reading(env, task)
     born, country, university, city, river = (f.answers for f in task.facts)
     native = next(
         e.name
@@ -82,7 +92,7 @@ def test_reward_is_recall_times_precision_by_hand(env: ResearchEnv) -> None:
     assert info["spurious"] == [native]
     assert city[0] not in answer
 
-    env.reset(options={"task_id": task.id})
+    _start_reading(env, task)
     full = f"Born in {born[0]} ({country[0]}); studied at {university[0]} in {city[0]}; {river[0]}."
     _, reward, _, _, info = env.step(full)
     assert reward == 1.0 and info["success"] and info["spurious"] == []
@@ -91,11 +101,11 @@ def test_reward_is_recall_times_precision_by_hand(env: ResearchEnv) -> None:
 def test_only_the_first_max_answer_words_are_graded() -> None:
     env = ResearchEnv(split="all", max_answer_words=5)
     task = _task(env, "person_profile")
-    env.reset(options={"task_id": task.id})
+    _start_reading(env, task)
     answers = [f.answers[0] for f in task.facts]
     _, reward, _, _, info = env.step("Here is what I found: " + ", ".join(answers))
     assert reward == 0.0 and info["answer_words"] > 5
-    env.reset(options={"task_id": task.id})
+    _start_reading(env, task)
     _, reward, _, _, info = env.step(answers[0])
     assert info["recall"] == pytest.approx(1 / len(answers))
 
@@ -137,15 +147,44 @@ def test_score_replays_an_agent_loop(env: ResearchEnv) -> None:
         {"role": "system", "content": "s"},
         {"role": "user", "content": task.question},
     ]
-    for i, doc in enumerate(task.chain[:3]):
+    for i, doc in enumerate(task.chain):
         messages.append(_open(i, doc))
         messages.append({"role": "tool", "tool_call_id": f"call_{i}", "content": "id: ..."})
     messages.append({"role": "assistant", "content": " ".join(f.answers[0] for f in task.facts)})
     fresh = ResearchEnv(split="all", evidence_reward=0.1)  # never reset: finds the task
     reward, info = fresh.score(messages)
     assert reward == 1.0 and info["success"]
-    assert info["tool_rewards"] == {f"call_{i}": pytest.approx(0.1) for i in range(3)}
-    assert info["gold_documents_opened"] == 3
+    n = len(task.chain)
+    assert info["tool_rewards"] == {f"call_{i}": pytest.approx(0.1) for i in range(n)}
+    assert info["gold_documents_opened"] == n
+    # without the last gold document, the facts it states do not count
+    cut = [m for m in messages if m.get("tool_call_id") != f"call_{n - 1}"]
+    cut = [m for m in cut if not any(c["id"] == f"call_{n - 1}" for c in m.get("tool_calls") or [])]
+    reward, info = ResearchEnv(split="all").score(cut)
+    unread = [f.label for f in task.facts if f.source == task.chain[-1]]
+    assert unread and info["facts_ungrounded"] == unread
+    assert reward == pytest.approx(1 - len(unread) / len(task.facts))
+
+
+def test_an_answer_without_reading_earns_nothing(env: ResearchEnv) -> None:
+    """Grounded grading: every fact stated right at once, from memory or a lucky guess,
+    earns 0 (stopping early cannot pay); the facts of the one document opened count."""
+    task = _task(env, "person_profile")
+    every_fact = " ".join(f.answers[0] for f in task.facts)
+    env.reset(options={"task_id": task.id})
+    _, reward, terminated, _, info = env.step(every_fact)
+    assert terminated and reward == 0.0 and not info["success"]
+    assert info["facts_ungrounded"] == [f.label for f in task.facts]
+    env.reset(options={"task_id": task.id})
+    env.step(_open(0, task.chain[0]))  # the person's own document: birth city, university
+    _, reward, _, _, info = env.step(every_fact)
+    own = [f for f in task.facts if f.source == task.chain[0]]
+    assert [f.label for f in own] == [task.facts[0].label, task.facts[2].label]
+    assert info["recall"] == pytest.approx(len(own) / len(task.facts))
+    loose = ResearchEnv(split="all", grounded=False)  # the reward before grounding
+    loose.reset(options={"task_id": task.id})
+    _, reward, _, _, info = loose.step(every_fact)
+    assert reward == 1.0 and info["facts_ungrounded"] == []
 
 
 def test_bad_arguments_fail_at_construction() -> None:
