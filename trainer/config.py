@@ -585,6 +585,15 @@ class TrainConfig(Checked):
                 "rewards.judge.base_url: with scheduler=ray the proxy is not in this "
                 "process; give the judge's OpenAI-compatible URL (e.g. a served model)"
             )
+        episodes = judge.calibration is None and judge.calibration_episodes > 0
+        if judge.mode != "none" and episodes and (elsewhere or self.env.id is None):
+            out.append(
+                "rewards.judge.calibration: the judge's calibration episodes run in this "
+                "process (the model or agent.factory driving the env); with external "
+                "workers, self-rewarded sessions or scheduler=ray, give a labelled JSONL "
+                "file (rewards.judge.calibration=path; rows {prompt or messages, answer, "
+                "label})"
+            )
         total = self.optim.total_steps or self.train.steps
         if self.optim.warmup_steps > total:
             out.append(

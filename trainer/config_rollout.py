@@ -315,6 +315,10 @@ class EvalConfig(Checked):
 
 
 _CRITERION = re.compile(r"[A-Za-z][\w -]{0,39}")
+MIN_CALIBRATION = 64
+"""A judge's calibration needs this many labelled answers at least,"""
+MIN_PER_LABEL = 16
+"""and this many of each label."""
 
 
 @dataclass(frozen=True)
@@ -325,8 +329,12 @@ class JudgeConfig(Checked):
     """``rubric``: each answer scored per criterion (weighted mean); ``ranking``: a group's
     answers scored relative to each other (no reference needed); ``none``: no judge."""
     base_url: str | None = None
-    """An OpenAI-compatible ``/v1`` URL of the judge; None = this run's own proxy and model
-    (its calls recorded as sessions of groups ``judge-*``, never trained)."""
+    """An OpenAI-compatible ``/v1`` URL of the judge (any server: ``areal-agent serve``,
+    vLLM, a hosted API). A judge needs this or ``self: true``."""
+    self: bool = False
+    """Judge with the policy's own model, through this run's proxy (its calls recorded as
+    sessions of groups ``judge-*``, never trained): the judge changes as the policy trains.
+    A judge needs this or ``base_url``."""
     model: str | None = None
     """The model name sent to ``base_url``; None = the first model it lists."""
     api_key_env: str | None = None
@@ -354,9 +362,29 @@ class JudgeConfig(Checked):
     """Times an unreadable reply is asked again, before the episode ends as ``judge_error``."""
     concurrency: int = 4
     """Judge calls in flight at once."""
+    reference: str | None = None
+    """The key of the env's final ``info`` that holds the reference answer (a string, or a
+    list of accepted answers), e.g. ``answers`` for ``areal/Search-v0``: the judge sees it
+    beside the answer to grade. An episode whose info holds none ends as ``judge_error``,
+    but one cut at ``rollout.max_turns`` before its final answer is judged without it. None
+    = no reference (the judge grades by the rubric alone)."""
+    calibration: str | None = None
+    """A labelled JSONL file the judge is calibrated on before the first step, one answer a
+    row: ``{"prompt": the task, or "messages": the conversation before the answer,
+    "answer": the final answer, "label": true/false}`` (and ``"reference"`` with
+    ``reference``). None = calibration episodes (``calibration_episodes``)."""
+    calibration_episodes: int = 64
+    """Without ``calibration``: episodes the run's engine plays before the first step,
+    labelled by the env's own ``success``, that the judge is calibrated on. At least 64 (64
+    answers with 16 of each label are needed), or 0 (no calibration) with ``min_auc: 0``."""
+    min_auc: float = 0.7
+    """The run stops before its first step when the judge's calibration AUC (how often it
+    scores a right answer above a wrong one) is below this; 0 = it never stops (the
+    calibration is still measured and reported)."""
 
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
         bad = [n for n, v in self.rubric.items() if not _criterion_ok(n, v)]
+        judged = self.mode != "none"
         unused = [
             f.name
             for f in dataclasses.fields(self)
@@ -401,6 +429,37 @@ class JudgeConfig(Checked):
                 self.api_key_env is None or self.base_url is not None,
                 "null without base_url (the run's own proxy needs no key)",
             ),
+            (
+                "base_url",
+                not judged or self.base_url is not None or self.self,
+                "the judge's OpenAI-compatible /v1 URL, or set rewards.judge.self=true to "
+                "judge with the policy's own model",
+            ),
+            (
+                "self",
+                not (self.self and self.base_url is not None),
+                "false with base_url (one judge: the URL's model, or the policy's own)",
+            ),
+            ("reference", self.reference is None or bool(self.reference.strip()), "a key"),
+            (
+                "calibration",
+                self.calibration is None or bool(self.calibration.strip()),
+                "a labelled JSONL file's path, or null (calibration episodes)",
+            ),
+            (
+                "calibration_episodes",
+                self.calibration_episodes >= MIN_CALIBRATION
+                or (self.calibration_episodes == 0 and self.min_auc == 0),
+                f">= {MIN_CALIBRATION} (the calibration needs {MIN_CALIBRATION} answers, "
+                f"{MIN_PER_LABEL} of each label), or 0 (no calibration) with "
+                "rewards.judge.min_auc=0",
+            ),
+            (
+                "calibration_episodes",
+                self.calibration is None or self.calibration_episodes == MIN_CALIBRATION,
+                f"left at {MIN_CALIBRATION} with a calibration file (its rows are the calibration)",
+            ),
+            ("min_auc", _is_number(self.min_auc) and 0 <= self.min_auc <= 1, "in [0, 1]"),
         )
 
 

@@ -73,6 +73,7 @@ from areal_agents.trainer.algorithms import (
     get_algorithm,
 )
 from areal_agents.trainer.batch import ADDITIVE_STATS, SampleTokens, build_batch
+from areal_agents.trainer.calibration import calibrate_judge
 from areal_agents.trainer.checkpoint import (
     RunState,
     append_ledger,
@@ -222,6 +223,9 @@ class Trainer:
         await first_sync(
             self.cfg, self.engine, self.policy.weight_update(self.state.step), self.out
         )
+        if self.source.judge is not None:  # a judge that cannot tell right from wrong stops here
+            with spans.span("rollout", "judge_calibration"):
+                await calibrate_judge(self.cfg, self.source, self.out, quiet=self.quiet)
         if not resumed:
             await self._evaluate("warm_start" if self.cfg.sft.enabled else "base")
         await self._engine_counters()  # the start of the first step's engine rates

@@ -6,11 +6,20 @@ Ray actors with ``scheduler: ray``), the recording proxy, the episode
 store, the judge and the HTTP server where agents need one, and picks the source
 (:mod:`areal_agents.trainer.rollout`, :mod:`areal_agents.trainer.session_source`).
 ``workers.json`` in the run directory keeps the worker API's port and token across resumes.
+
+An env with a simulated user (tau², whose constructor takes ``user_simulator``) that
+``env.kwargs`` gives none (no ``user_base_url``) gets the run's own model as the customer:
+a :class:`~areal_agents.envs.tau2.user.ProxyUserSimulator` over the run's proxy, whose calls
+are answered by the engine and recorded in no session, so they are never trained, never
+part of an agent's episode and never counted as episodes. ``env.kwargs.user_max_tokens``
+caps its messages (default ``sampling.max_new_tokens``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -21,6 +30,7 @@ from typing import Any
 
 from areal_agents.engines.launch import free_port
 from areal_agents.envs.registry import make, probe
+from areal_agents.envs.tau2.user import ProxyUserSimulator, ScriptedUserSimulator
 from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device, resolve_dtype
 from areal_agents.rollout.runner import Runner
@@ -71,21 +81,36 @@ def build_rollout(
     with its message, before any episode."""
     settings = SourceSettings.from_config(cfg, dynamic_sampling)
     env_id, kwargs = cfg.env.id, dict(cfg.env.kwargs)
+    what = f"env {env_id} (env.kwargs)"
 
     def make_env() -> Any:
         assert env_id is not None
         return make(env_id, **kwargs)
 
+    customer: dict[str, Any] | None = None  # the run's own model plays the env's user
     if env_id is not None:  # None: a self-rewarded run (checked by the config)
-        what = f"env {env_id} (env.kwargs)"
         try:
             first = make_env()
         except TypeError as exc:
             raise ConfigError(f"{what}: the env does not take them: {exc}") from None
-        if "split" in inspect.signature(type(first.unwrapped).__init__).parameters:
+        except ConfigError as exc:
+            raise ConfigError(f"{what}: {exc}") from None
+        params = inspect.signature(type(first.unwrapped).__init__).parameters
+        if "split" in params:
             kwargs.setdefault("split", cfg.env.split)
         first.close()
-        probe(make_env, seed=settings.seed_base, what=what)
+        if "user_simulator" in params and not _has_user(kwargs):
+            customer = _own_model_customer(cfg, kwargs, what)
+            # the env's settings (data, split, tasks) fail here, before the model loads; the
+            # customer itself is checked once the proxy exists (_check_customer)
+            stand_in = ScriptedUserSimulator(["Hello."])
+            probe(
+                functools.partial(make, env_id, **kwargs, user_simulator=stand_in),
+                seed=settings.seed_base,
+                what=what,
+            )
+        else:
+            probe(make_env, seed=settings.seed_base, what=what)
 
     agent = None
     if cfg.agent.factory is not None:
@@ -125,6 +150,8 @@ def build_rollout(
         context_policy=policy_of(cfg),  # context.*: conversations that outgrow the context
     )
     judge = make_judge(cfg.rewards, proxy, out)
+    if customer is not None:
+        _check_customer(proxy, customer, kwargs, make_env, settings.seed_base, what)
     if agent is None and cfg.rollout.agents == "local":
         runner = Runner(proxy, **runner_kwargs)
         return _stored(engine, EnvSource(settings, state, runner, make_env), store, judge)
@@ -164,6 +191,61 @@ def build_rollout(
     return _stored(
         engine, AgentSource(settings, state, runner, make_env, agent, server), store, judge
     )
+
+
+def _has_user(kwargs: dict[str, Any]) -> bool:
+    """Whether env kwargs name who plays the simulated user."""
+    return kwargs.get("user_base_url") is not None or kwargs.get("user_simulator") is not None
+
+
+def _own_model_customer(cfg: TrainConfig, kwargs: dict[str, Any], what: str) -> dict[str, Any]:
+    """The settings of the run's own model as the env's simulated user (taken out of
+    ``kwargs``); a ConfigError where it cannot play it."""
+    if cfg.ray_rollout:
+        raise ConfigError(
+            f"{what}: with scheduler: ray the episodes run on Ray actors, where the run's own "
+            "model cannot play the simulated customer; set env.kwargs.user_base_url to an "
+            "OpenAI-compatible endpoint that plays it (e.g. one started with areal-agent "
+            "serve), or use scheduler: local"
+        )
+    eval_kwargs = {**kwargs, **cfg.eval.env_kwargs}
+    if cfg.eval.episodes and not _has_user(eval_kwargs):
+        raise ConfigError(
+            f"eval.episodes: the held-out evaluation of {cfg.env.id} makes envs of its own, "
+            "and the run's own model plays the simulated customer only in training "
+            "episodes; set eval.env_kwargs.user_base_url (or env.kwargs.user_base_url, for "
+            "both) to an OpenAI-compatible endpoint that plays it, or eval.episodes=0"
+        )
+    cap = kwargs.pop("user_max_tokens", None)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ConfigError(f"{what}: user_max_tokens must be an int >= 1, got {cap!r}")
+    return {"max_tokens": cap if cap is not None else cfg.sampling.max_new_tokens}
+
+
+def _check_customer(
+    proxy: Proxy,
+    customer: dict[str, Any],
+    kwargs: dict[str, Any],
+    make_env: Any,
+    seed: int,
+    what: str,
+) -> None:
+    """Put the run's own model in the customer's place (``kwargs["user_simulator"]``) and
+    reset one env with it, so that a customer that cannot answer (an empty message) fails
+    here. Then bind the customer to this event loop (the one the run's proxy serves on),
+    where its calls from the env's worker threads then run."""
+    user = ProxyUserSimulator(proxy, **customer)
+    kwargs["user_simulator"] = user
+    try:
+        probe(make_env, seed=seed, what=f"{what}, the run's own model as the customer")
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{exc}\nThe run's own model plays the customer when env.kwargs names none; set "
+            "env.kwargs.user_base_url to an OpenAI-compatible endpoint whose model can play "
+            "it (and user_model, user_max_tokens as needed)"
+        ) from None
+    with contextlib.suppress(RuntimeError):  # no loop yet: the calls run where they are made
+        user.loop = asyncio.get_running_loop()
 
 
 def _stored(engine: Any, source: GroupSource, store: Any, judge: Any) -> Rollout:

@@ -28,6 +28,7 @@ from areal_agents.envs.tau2.user import (
     STOP_TOKENS,
     TRANSFER,
     LLMUserSimulator,
+    ProxyUserSimulator,
     ScriptedUserSimulator,
     UserSimulator,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "Domain",
     "DomainData",
     "LLMUserSimulator",
+    "ProxyUserSimulator",
     "RewardInfo",
     "ScriptedUserSimulator",
     "Task",

@@ -82,16 +82,21 @@ class Tau2Env(AgentEnv):
         split: ``"train"``, ``"test"`` (the benchmark's ``split_tasks.json``), ``"base"`` or
             ``None`` (all tasks).
         user_simulator: Plays the customer: an
-            :class:`~areal_agents.envs.tau2.user.LLMUserSimulator` or a
+            :class:`~areal_agents.envs.tau2.user.LLMUserSimulator`, a
+            :class:`~areal_agents.envs.tau2.user.ProxyUserSimulator` or a
             :class:`~areal_agents.envs.tau2.user.ScriptedUserSimulator`. Required before
             ``reset`` unless ``user_base_url`` is given.
         user_base_url: Instead of ``user_simulator`` (for settings that are plain data:
             ``--env-kwargs``, ``env.kwargs``): an OpenAI-compatible base URL whose model
-            plays the customer (an ``LLMUserSimulator``). ``areal-agent eval`` fills it in
-            with the served model (not recorded) when neither is given.
+            plays the customer (an ``LLMUserSimulator``). When neither is given,
+            ``areal-agent eval`` lets the served model play the customer and ``areal-agent
+            train`` the run's own model (a ``ProxyUserSimulator``); neither is recorded.
         user_model: The model name to request there; ``None``: the first one it lists.
-        user_api_key: Its API key (``None``: ``"EMPTY"``).
+            Only with ``user_base_url``.
+        user_api_key: Its API key (``None``: ``"EMPTY"``). Only with ``user_base_url``.
         user_max_tokens: Cap on each customer message (``None``: the server's default).
+            Not with ``user_simulator`` (``areal-agent train`` applies it to the run's own
+            model as the customer).
         max_turns: Assistant messages after which the episode is truncated.
         dense_reward: Add per-turn shaping for writes that match gold write actions.
         dense_weight: Total shaping an episode can earn when ``dense_reward`` is on.
@@ -115,6 +120,18 @@ class Tau2Env(AgentEnv):
             raise ConfigError(
                 "Tau2Env: give user_simulator or user_base_url, not both (user_base_url "
                 "builds an LLMUserSimulator)"
+            )
+        stray = [n for n, v in (("user_model", user_model), ("user_api_key", user_api_key)) if v]
+        if user_base_url is None and stray:
+            raise ConfigError(
+                f"Tau2Env: {' and '.join(stray)} without user_base_url: they go with the "
+                "customer's endpoint (user_base_url='http://HOST:PORT/v1'); give "
+                "user_base_url too, or drop them"
+            )
+        if user_simulator is not None and user_max_tokens is not None:
+            raise ConfigError(
+                "Tau2Env: user_max_tokens caps the customer built from user_base_url; with "
+                "user_simulator, set the cap on the simulator (max_tokens=) and drop it"
             )
         if user_base_url is not None:
             if not isinstance(user_base_url, str) or not user_base_url.startswith("http"):
@@ -164,10 +181,11 @@ class Tau2Env(AgentEnv):
         if self.user_simulator is None:
             raise ConfigError(
                 "Tau2Env needs a user simulator: give user_base_url='http://HOST:PORT/v1' "
-                "(any OpenAI-compatible endpoint plays the customer; env.kwargs.user_base_url "
-                "in a training config, --user-model URL for areal-agent eval, which by "
-                "default uses the served model), or pass user_simulator=LLMUserSimulator(...) "
-                "or ScriptedUserSimulator([...]) to the constructor or to make()"
+                "(any OpenAI-compatible endpoint plays the customer; areal-agent train and "
+                "areal-agent eval use the run's own model by default, or "
+                "env.kwargs.user_base_url / --user-model URL), or pass "
+                "user_simulator=LLMUserSimulator(...), ProxyUserSimulator(proxy) or "
+                "ScriptedUserSimulator([...]) to the constructor or to make()"
             )
         domain = self.domain
         self.task = domain.data.task(self._pick_task(options))

@@ -9,16 +9,19 @@ writing one of the benchmark's tokens:
 - ``###TRANSFER###``: the customer was transferred to a human agent;
 - ``###OUT-OF-SCOPE###``: the scenario does not say how to go on.
 
-Two simulators ship:
+Three simulators ship:
 
 - :class:`LLMUserSimulator` plays the user from the task's scenario through any
   OpenAI-compatible endpoint with the async ``openai`` client;
+- :class:`ProxyUserSimulator` plays it with a proxy's own engine, in process and recorded in
+  no session (a training run's default customer: the model being trained);
 - :class:`ScriptedUserSimulator` replays fixed turns (tests, demos, conformance checks).
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,6 +71,26 @@ def user_system_prompt(task: Task) -> str:
     """The user simulator's system prompt for ``task``: guidelines, persona and scenario."""
     persona = f"<persona>\n{task.persona}\n</persona>\n" if task.persona else ""
     return f"{GUIDELINES}\n{persona}<scenario>\n{task.instructions}\n</scenario>"
+
+
+def customer_messages(task: Task, conversation: Sequence[Message]) -> list[Message]:
+    """The chat messages a model playing the customer gets: the system prompt, then the
+    dialogue with roles flipped (the agent's messages as ``user``, the customer's own as
+    ``assistant``)."""
+    messages: list[Message] = [{"role": "system", "content": user_system_prompt(task)}]
+    for message in conversation:
+        role = message.get("role")
+        if role in ("assistant", "user") and message.get("content"):
+            flipped = "user" if role == "assistant" else "assistant"
+            messages.append({"role": flipped, "content": str(message["content"])})
+    return messages
+
+
+def _reply_text(content: Any, model: Any) -> str:
+    """The customer's message out of a model's reply, or EnvError when it is empty."""
+    if not content or not str(content).strip():
+        raise EnvError(f"user simulator model {model!r} returned an empty message")
+    return str(content).strip()
 
 
 class UserSimulator(abc.ABC):
@@ -182,14 +205,8 @@ class LLMUserSimulator(UserSimulator):
         )
 
     def messages_for(self, task: Task, conversation: Sequence[Message]) -> list[Message]:
-        """The chat messages sent to the model: system prompt, then the flipped dialogue."""
-        messages: list[Message] = [{"role": "system", "content": user_system_prompt(task)}]
-        for message in conversation:
-            role = message.get("role")
-            if role in ("assistant", "user") and message.get("content"):
-                flipped = "user" if role == "assistant" else "assistant"
-                messages.append({"role": flipped, "content": str(message["content"])})
-        return messages
+        """The chat messages sent to the model (:func:`customer_messages`)."""
+        return customer_messages(task, conversation)
 
     async def _model_name(self, client: Any) -> str:
         """``model``, else the first model ``client``'s endpoint lists (then kept)."""
@@ -225,7 +242,67 @@ class LLMUserSimulator(UserSimulator):
         except openai.OpenAIError as exc:
             raise EnvError(f"user simulator request to {self.base_url} failed: {exc}") from exc
         choices = getattr(completion, "choices", None) or []
-        content = choices[0].message.content if choices else None
-        if not content or not content.strip():
-            raise EnvError(f"user simulator model {self.model!r} returned an empty message")
-        return str(content).strip()
+        return _reply_text(choices[0].message.content if choices else None, self.model)
+
+
+class ProxyUserSimulator(UserSimulator):
+    """Plays the customer with a proxy's own engine, in process: each reply is one
+    ``proxy.complete(None, request)``, answered by the proxy's model through its chat
+    template and recorded in **no** session. In a training run (the default customer of
+    ``areal-agent train`` when ``env.kwargs`` names none) the customer is therefore the
+    model being trained, at the weights the engine holds, and its calls are never trained,
+    never part of the agent's episodes (only the customer's text reaches the agent's
+    prompts, as ``user`` messages) and never counted as episodes.
+
+    Args:
+        proxy: A :class:`~areal_agents.serve.proxy.Proxy` (anything with ``async
+            complete(session, request)`` and ``model_name``).
+        temperature: Sampling temperature (0 keeps the customer consistent).
+        max_tokens: Cap on each customer message (``None``: the proxy's default).
+        loop: The event loop the proxy serves on. A reply asked for on another loop (the
+            env steps on worker threads, each with a loop of its own) is generated on this
+            one and awaited; ``None``, or a loop that is not running: on the caller's loop
+            (the embedded engine answers any loop).
+    """
+
+    def __init__(
+        self,
+        proxy: Any,
+        *,
+        temperature: float = 0.0,
+        max_tokens: int | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        if not callable(getattr(proxy, "complete", None)):
+            raise TypeError(
+                f"ProxyUserSimulator needs a Proxy (with complete()), got {type(proxy).__name__}"
+            )
+        self.proxy = proxy
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.loop = loop
+
+    async def respond(self, task: Task, conversation: Sequence[Message]) -> str:
+        """Ask the proxy's model for the customer's next message (not recorded)."""
+        request: dict[str, Any] = {
+            "model": self.proxy.model_name,
+            "messages": customer_messages(task, conversation),
+            "temperature": self.temperature,
+        }
+        if self.max_tokens is not None:
+            request["max_tokens"] = self.max_tokens
+        home = self.loop
+        try:
+            if home is not None and home.is_running() and home is not asyncio.get_running_loop():
+                future = asyncio.run_coroutine_threadsafe(self.proxy.complete(None, request), home)
+                body = await asyncio.wrap_future(future)
+            else:
+                body = await self.proxy.complete(None, request)
+        except Exception as exc:  # ApiError, BackendError, ...: the episode's env_error
+            message = getattr(exc, "message", None) or str(exc)
+            raise EnvError(
+                f"the customer's call to the proxy's model failed: {type(exc).__name__}: {message}"
+            ) from exc
+        choices = body.get("choices") or []
+        content = (choices[0].get("message") or {}).get("content") if choices else None
+        return _reply_text(content, self.proxy.model_name)

@@ -52,7 +52,9 @@ rewards:
           rubric: {correct: {description: The answer names the right entity., weight: 2.0},
                    concise: {description: At most two sentences., weight: 1.0}},
           scoring: text, include_trace: true, max_answer_chars: 1000, max_tokens: 64,
-          temperature: 0.0, timeout_s: 30.0, retries: 2, concurrency: 2}
+          temperature: 0.0, timeout_s: 30.0, retries: 2, concurrency: 2, self: false,
+          reference: answers, calibration: judge_labels.jsonl, calibration_episodes: 64,
+          min_auc: 0.6}
   judge_weight: 0.5
   env_weight: 0.8
 optim:
@@ -173,6 +175,7 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
     assert cfg.metrics.tensorboard is False
     assert (cfg.advantage.estimator, cfg.advantage.omega) == ("step_group", 0.5)
     assert cfg.rewards.judge.rubric["correct"]["weight"] == 2.0
+    assert (cfg.rewards.judge.calibration, cfg.rewards.judge.min_auc) == ("judge_labels.jsonl", 0.6)
     assert (cfg.rewards.judge_weight, cfg.rewards.env_weight) == (0.5, 0.8)
 
     # The whole file, section by section, comes back out of to_dict.

@@ -121,13 +121,18 @@ def test_sft_generate_needs_kind_messages():
         load_config(None, ["env.id=x", "sft.enabled=true", "sft.generate=4", "sft.kind=episodes"])
 
 
-def test_a_tau2_run_without_a_user_fails_before_any_episode_with_the_fix(tiny_model_dir, tmp_path):
+def test_a_tau2_user_model_without_its_endpoint_fails_before_any_episode_with_the_fix(
+    tiny_model_dir, tmp_path
+):
+    """Without a user the run's own model plays tau2's customer (tests/trainer/
+    test_tau2_train.py); a user_model without user_base_url is a config error."""
     from areal_agents.trainer.loop import Trainer
 
     cfg = load_config(
         None,
         [
             "env.id=areal/Tau2Retail-v0",
+            "env.kwargs={user_model: my-model}",
             f"model.path={tiny_model_dir}",
             "model.dtype=float32",
             "rollout.group_size=2",

@@ -162,6 +162,24 @@ RUBRIC = {
 }
 
 
+def calibration_file(tmp_path: Path) -> Path:
+    """64 labelled answers the fake judge tells apart: 32 naming Paris (right), 32 not (with
+    the reference answer, which search_judge.yaml shows the judge)."""
+    path = tmp_path / "calibration.jsonl"
+    rows = [
+        {
+            "prompt": "What is the capital of France?",
+            "answer": f"It is {city} ({i}).",
+            "label": ok,
+            "reference": ["Paris"],
+        }
+        for i in range(32)
+        for city, ok in (("Paris", True), ("Lyon", False))
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def _with_weights(cfg: RewardsConfig, env: float, judge: float) -> RewardsConfig:
     import dataclasses
 
@@ -341,7 +359,7 @@ async def test_the_runs_own_proxy_judges_in_sessions_of_their_own(qwen_chat_toke
     engine = FakeEngine(lambda ids, p: [*tok.encode("correct: 10\nconcise: 4"), end])
     store = EpisodeStore(tmp_path / "episodes.db")
     proxy = Proxy(engine, tok, store=store)
-    j = make_judge(_rewards(mode="rubric", rubric=RUBRIC), proxy, tmp_path)
+    j = make_judge(_rewards(mode="rubric", rubric=RUBRIC, self=True), proxy, tmp_path)
     assert isinstance(j.backend, ProxyBackend)
     r = _result("Paris")
     await j.apply("g7", [r])
@@ -354,7 +372,9 @@ async def test_the_runs_own_proxy_judges_in_sessions_of_their_own(qwen_chat_toke
     assert not proxy.sessions.open_sessions()
     # yes/no questions: the fake engine's sampled token is its only alternative
     engine._script = lambda ids, p: [*tok.encode("Yes"), end]
-    j = make_judge(_rewards(mode="rubric", rubric=RUBRIC, scoring="logprobs"), proxy, None)
+    j = make_judge(
+        _rewards(mode="rubric", rubric=RUBRIC, scoring="logprobs", self=True), proxy, None
+    )
     r = _result("Paris")
     await j.apply("g8", [r])
     assert r.episode.metadata["judge"]["score"] == pytest.approx(1.0)
@@ -367,12 +387,46 @@ async def test_the_runs_own_proxy_judges_in_sessions_of_their_own(qwen_chat_toke
     [
         (["rewards.judge.mode=rubric"], "rewards.judge.rubric: must be at least one criterion"),
         (
+            ["rewards.judge.mode=ranking"],
+            "rewards.judge.base_url: must be the judge's OpenAI-compatible /v1 URL, or set "
+            "rewards.judge.self=true",
+        ),
+        (
+            ["rewards.judge.mode=ranking", "rewards.judge.self=true", "rewards.judge.base_url=u"],
+            "rewards.judge.self: must be false with base_url",
+        ),
+        (
+            ["rewards.judge.mode=ranking", "rewards.judge.self=true", "rewards.judge.min_auc=2"],
+            "rewards.judge.min_auc: must be in [0, 1]",
+        ),
+        (
+            [
+                "rewards.judge.mode=ranking",
+                "rewards.judge.self=true",
+                "rewards.judge.calibration_episodes=16",
+            ],
+            "rewards.judge.calibration_episodes: must be >= 64",
+        ),
+        (
+            [
+                "rewards.judge.mode=ranking",
+                "rewards.judge.self=true",
+                "rewards.judge.calibration=c.jsonl",
+                "rewards.judge.calibration_episodes=128",
+            ],
+            "rewards.judge.calibration_episodes: must be left at 64 with a calibration file",
+        ),
+        (
+            ["rewards.judge.mode=ranking", "rewards.judge.base_url=u", "rollout.agents=external"],
+            "rewards.judge.calibration: the judge's calibration episodes run in this process",
+        ),
+        (
             ['rewards.judge.rubric={"correct": "right"}'],
             "rewards.judge.mode: must be rubric or ranking: rubric set",
         ),
         (["rewards.env_weight=0"], "rewards.env_weight: must be left at 1 without a judge"),
         (
-            ["rewards.judge.mode=ranking", "rewards.judge.model=x"],
+            ["rewards.judge.mode=ranking", "rewards.judge.self=true", "rewards.judge.model=x"],
             "rewards.judge.model: must be null without base_url",
         ),
         (
@@ -409,9 +463,10 @@ async def test_a_judge_that_never_scores_ends_the_run(judge_server):
 # ---------------------------------------------------------------------------- a run
 def test_the_judge_example_trains_on_judged_rewards(judge_server, tiny_model_dir, tmp_path):
     """examples/agents/search_judge.yaml, as shipped but short, on the tiny model, its judge
-    the fake one over HTTP: every trained episode's reward is 0.2 * EM + 1.0 * score (the
-    fake judge's P(yes) is 0.2 for an answer without Paris: score 0.2), the store holds the
-    rescored episodes, and the step's metrics carry the judge's cost."""
+    the fake one over HTTP, calibrated on a labelled file: every trained episode's reward is
+    0.2 * EM + 1.0 * score (the fake judge's P(yes) is 0.2 for an answer without Paris:
+    score 0.2), the store holds the rescored episodes, and the step's metrics carry the
+    judge's cost, its calibration and its agreement with the env's exact match."""
     import sqlite3
 
     from areal_agents.trainer.loop import Trainer
@@ -424,6 +479,8 @@ def test_the_judge_example_trains_on_judged_rewards(judge_server, tiny_model_dir
             f"model.path={tiny_model_dir}",
             "model.dtype=float32",
             f"rewards.judge.base_url={url}",
+            "rewards.judge.self=false",
+            f"rewards.judge.calibration={calibration_file(tmp_path)}",
             "env.kwargs={reward: em, kb_questions: 40}",
             "rollout.group_size=2",
             "rollout.batch_size=1",
@@ -439,6 +496,10 @@ def test_the_judge_example_trains_on_judged_rewards(judge_server, tiny_model_dir
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["judge/calls"] >= 4 and row["judge/errors"] == 0  # 2 criteria x 2 episodes
     assert row["judge/prompt_tokens"] > 0 and row["judge/score_mean"] == pytest.approx(0.2)
+    # the file's Paris answers score 0.9, the others 0.2: every pair ordered
+    assert row["judge/calib_auc"] == 1.0 and row["judge/calib_balanced_accuracy"] == 1.0
+    assert json.loads((run / "judge_calibration.json").read_text())["answers"] == 64
+    assert row["reward/judge_agreement"] == 1.0  # score 0.2: a fail, and no EM success
     db = sqlite3.connect(run / "episodes.db")
     trained = db.execute(
         "select distinct s.final_reward, s.metadata from train_tokens t "
@@ -448,23 +509,19 @@ def test_the_judge_example_trains_on_judged_rewards(judge_server, tiny_model_dir
     assert all(json.loads(m)["judge"]["score"] == pytest.approx(0.2) for _, m in trained)
 
 
-def test_the_research_example_runs_warm_start_step_groups_and_judge(
-    judge_server, tiny_model_dir, tmp_path
-):
+def test_the_research_example_runs_warm_start_and_step_groups(tiny_model_dir, tmp_path):
     """examples/agents/research.yaml, as shipped but short, on the tiny model: the warm start
-    on demonstrations the env writes, step-level groups, the summarize policy and the fake
-    judge over HTTP. Untrained, the model never opens a document: every episode's reward is
-    1.0 * recall x precision (0) + 0.5 * the judge's 0.2."""
+    on demonstrations the env writes, step-level groups and the summarize policy, with the
+    env's grounded reward alone (no judge). Untrained, the model never opens a document:
+    every episode's reward is 0 (no evidence, no grounded fact)."""
     from areal_agents.trainer.loop import Trainer
 
-    url, _ = judge_server
     run = tmp_path / "run"
     cfg = load_config(
         ROOT / "examples/agents/research.yaml",
         [
             f"model.path={tiny_model_dir}",
             "model.dtype=float32",
-            f"rewards.judge.base_url={url}",
             "sft.generate=2",
             "rollout.group_size=2",
             "rollout.max_turns=2",
@@ -475,9 +532,10 @@ def test_the_research_example_runs_warm_start_step_groups_and_judge(
         ],
     )
     assert cfg.context.policy == "summarize" and cfg.advantage.estimator == "step_group"
+    assert cfg.rewards.judge.mode == "none" and cfg.env.kwargs["evidence_reward"] == 0.1
     summary = asyncio.run(Trainer(cfg, quiet=True).run())
-    assert summary["reward_mean"] == pytest.approx(0.1)
+    assert summary["reward_mean"] == pytest.approx(0.0)
     demos = (run / "sft_demos.jsonl").read_text().splitlines()
     assert len(demos) == 2 and all('"name": "open"' in row for row in demos)
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert row["judge/calls"] >= 4 and row["judge/errors"] == 0
+    assert not any(k.startswith("judge/") for k in row)
