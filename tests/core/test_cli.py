@@ -169,7 +169,7 @@ def test_demos_writes_chat_jsonl_for_the_warm_start(tmp_path):
     assert len(rows) == 3
     roles = [m["role"] for m in rows[0]["messages"]]
     assert roles[-3:] == ["assistant", "tool", "assistant"]
-    none = cli("demos", "--env", "areal/Search-v0", "--out", str(tmp_path / "x.jsonl"))
+    none = cli("demos", "--env", "areal/Math-v0", "--out", str(tmp_path / "x.jsonl"))
     assert none.returncode == 2 and "offers no demos()" in none.stderr
 
 
