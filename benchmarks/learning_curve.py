@@ -19,7 +19,9 @@ Reports are cached in ``step-N/eval/`` (``eval-seedS/`` for ``--seed S`` other t
 the request that made them (env kwargs, problems, seed, limits); a rerun only evaluates
 checkpoints whose request differs or is new. ``--ends`` evaluates step 0 and the last
 checkpoint only (a second evaluation seed needs no curve).
-Prints one markdown table row per checkpoint and, per run, the gain of the last checkpoint
+Prints one markdown table row per checkpoint (success, grounded success where the env
+reports it, success per task kind: ``arithmetic`` / ``word``, ``1-hop`` / ``2-hop``) and, per
+run, the gain of the last checkpoint
 over step 0.
 """
 
@@ -125,34 +127,40 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     curves: dict[str, list[tuple[float, dict[str, Any]]]] = {}
-    print("| run | step | minutes | success | arithmetic | word problems |")
-    print("|---|---|---|---|---|---|")
+    steps: dict[str, list[int]] = {}
     for run in args.runs:
-        points = []
-        found = checkpoints(run)
+        points, found = [], checkpoints(run)
         for ckpt in [found[0], found[-1]] if args.ends and len(found) > 1 else found:
             state = json.loads((ckpt / "state.json").read_text())
             report = evaluate(
                 run, ckpt, args.episodes, args.seed, args.concurrency, args.env_kwargs
             )
-            minutes = float(state.get("elapsed_s", 0.0)) / 60
-            points.append((minutes, report))
-            kinds = report.get("by_kind", {})
-            print(
-                f"| {run.name} | {state['step']} | {minutes:.1f} | "
-                f"{report['success_rate']:.1%} | {kinds.get('arithmetic', 0.0):.1%} | "
-                f"{kinds.get('word', 0.0):.1%} |",
-                flush=True,
-            )
+            points.append((float(state.get("elapsed_s", 0.0)) / 60, report))
+            steps.setdefault(run.name, []).append(int(state["step"]))
+            print(f"{run.name} step {state['step']}: {report['success_rate']:.1%}", file=sys.stderr)
         curves[run.name] = points
+    reports = [r for points in curves.values() for _, r in points]
+    kinds = sorted({k for r in reports for k in r.get("by_kind") or {}})
+    grounded = any(r.get("grounded_success_rate") is not None for r in reports)
+    head = ["run", "step", "minutes", "success", *(["grounded"] if grounded else []), *kinds]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
     for name, points in curves.items():
-        first, last = points[0][1], points[-1][1]
-        gain = last["success_rate"] - first["success_rate"]
-        word = last.get("by_kind", {}).get("word", 0.0)
-        print(
-            f"{name}: {first['success_rate']:.1%} -> {last['success_rate']:.1%} "
-            f"({gain * 100:+.1f} points) in {points[-1][0]:.1f} min; word problems {word:.1%}"
-        )
+        for step, (minutes, r) in zip(steps[name], points, strict=True):
+            print(
+                "| "
+                + " | ".join([name, str(step), f"{minutes:.1f}", *_cells(r, grounded, kinds)])
+                + " |"
+            )
+    for name, points in curves.items():
+        (_, first), (minutes, last) = points[0], points[-1]
+        parts = [f"success {_gain(first, last, 'success_rate')}"]
+        if grounded:
+            parts.append(f"grounded {_gain(first, last, 'grounded_success_rate')}")
+        parts += [
+            f"{k} {_gain(first.get('by_kind') or {}, last.get('by_kind') or {}, k)}" for k in kinds
+        ]
+        print(f"{name} in {minutes:.1f} min: " + "; ".join(parts))
     if args.png:
         import matplotlib
 
@@ -163,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, points in curves.items():
             xs = [m for m, _ in points]
             (line,) = ax.plot(xs, [r["success_rate"] * 100 for _, r in points], "o-", label=name)
-            word = [r.get("by_kind", {}).get("word", 0.0) * 100 for _, r in points]
-            ax.plot(xs, word, "x--", color=line.get_color(), alpha=0.6, label=f"{name} (word)")
+            for kind, style in zip(kinds, ("x--", "+:", "^-.", "v--"), strict=False):
+                ys = [(r.get("by_kind") or {}).get(kind, 0.0) * 100 for _, r in points]
+                ax.plot(xs, ys, style, color=line.get_color(), alpha=0.6, label=f"{name} ({kind})")
         ax.set_xlabel("wall-clock minutes (warm start included)")
         ax.set_ylabel(f"held-out success, % of {args.episodes}")
         ax.set_ylim(0, 100)
@@ -174,6 +183,24 @@ def main(argv: list[str] | None = None) -> int:
         fig.savefig(args.png, dpi=120)
         print(f"wrote {args.png}")
     return 0
+
+
+def _cells(report: dict[str, Any], grounded: bool, kinds: list[str]) -> list[str]:
+    """A report's success, grounded success (when the env reports it) and success per kind."""
+    cells = [f"{report['success_rate']:.1%}"]
+    if grounded:
+        g = report.get("grounded_success_rate")
+        cells.append("-" if g is None else f"{g:.1%}")
+    by_kind = report.get("by_kind") or {}
+    return cells + [f"{by_kind[k]:.1%}" if k in by_kind else "-" for k in kinds]
+
+
+def _gain(first: dict[str, Any], last: dict[str, Any], key: str) -> str:
+    """``a -> b (+d points)`` of ``key`` between two reports (``-`` where one lacks it)."""
+    a, b = first.get(key), last.get(key)
+    if a is None or b is None:
+        return "-"
+    return f"{a:.1%} -> {b:.1%} ({(b - a) * 100:+.1f} points)"
 
 
 if __name__ == "__main__":

@@ -195,3 +195,39 @@ def test_learning_curve_request_holds_the_resolved_dtype(tmp_path):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     request = curve.eval_request(tmp_path, 8, 0)
     assert request["dtype"] == resolve_dtype("auto", device) != "auto"
+
+
+def test_learning_curve_reports_grounded_success_and_each_kind(tmp_path, monkeypatch, capsys):
+    """The table's columns follow the reports: grounded success where the env reports it,
+    then success per task kind (1-hop / 2-hop here); the last line gives each gain."""
+    curve = _script("learning_curve")
+    run = tmp_path / "search"
+    reports = {
+        0: {
+            "success_rate": 0.25,
+            "grounded_success_rate": 0.2,
+            "by_kind": {"1-hop": 0.4, "2-hop": 0.1},
+        },
+        8: {
+            "success_rate": 0.5,
+            "grounded_success_rate": 0.45,
+            "by_kind": {"1-hop": 0.6, "2-hop": 0.4},
+        },
+    }
+    for step in reports:
+        ckpt = run / "checkpoints" / f"step-{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "state.json").write_text(json.dumps({"step": step, "elapsed_s": 60.0 * step}))
+    monkeypatch.setattr(
+        curve, "evaluate", lambda run, ckpt, *a: reports[int(ckpt.name.split("-")[1])]
+    )
+    assert curve.main([str(run), "--ends"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| run | step | minutes | success | grounded | 1-hop | 2-hop |"
+    assert out[2] == "| search | 0 | 0.0 | 25.0% | 20.0% | 40.0% | 10.0% |"
+    assert out[3] == "| search | 8 | 8.0 | 50.0% | 45.0% | 60.0% | 40.0% |"
+    assert out[4] == (
+        "search in 8.0 min: success 25.0% -> 50.0% (+25.0 points); "
+        "grounded 20.0% -> 45.0% (+25.0 points); 1-hop 40.0% -> 60.0% (+20.0 points); "
+        "2-hop 10.0% -> 40.0% (+30.0 points)"
+    )
