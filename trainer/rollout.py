@@ -14,6 +14,11 @@ under one group id) to the training loop, and owns everything about producing th
   group whose usable rewards are all equal (``uniform_group``). Failed episodes are dropped
   and counted by end reason; a group keeps going with the rest when enough are left (2 for
   group-normalized algorithms, else 1; else ``group_too_small``).
+* **A run that cannot progress stops.** When every episode of
+  :attr:`GroupSource.failed_groups_to_stop` groups in a row failed (no episode of any of them
+  ended normally: an env that raises, prompts longer than the model's context, a judge or a
+  server that is down), the run stops with the most common end reasons and the last error,
+  instead of generating failures for ever.
 * **Redo after resume.** Every group started but neither consumed nor skipped before the
   checkpoint is generated again, first; nothing consumed is used twice.
 * **Lost agents** (external workers): with ``workers.on_lost: redo`` a group with an
@@ -137,12 +142,18 @@ class GroupSource:
         self.gate: StalenessGate | None = None
         self.store: Any = None
         """The run's episode store (``RUN_DIR/episodes.db``), closed with the source."""
+        self._failed_in_row: list[list[EpisodeResult]] = []
+        """The latest groups in a row none of whose episodes ended normally."""
         self.judge: Any = None
         """The run's :class:`areal_agents.trainer.judge.Judge` (``rewards.judge``): scores each
         finished group before it is counted and checked."""
 
     make_env: EnvFactory | None = None
     """The env the source's episodes run in (None: the episodes bring their own rewards)."""
+
+    failed_groups_to_stop = 16
+    """Groups in a row whose every episode failed, after which the run stops (its wait for a
+    batch raises :class:`RolloutStalled`)."""
 
     @property
     def local_agent(self) -> Any:
@@ -328,6 +339,29 @@ class GroupSource:
             self.dropped[reason] += 1
             self._counted[g] += 1
 
+    def _check_progress(self, results: list[EpisodeResult]) -> None:
+        """Count groups in a row none of whose episodes ended normally; at
+        :attr:`failed_groups_to_stop` of them, the run's wait raises :class:`RolloutStalled`."""
+        if not results or any(r.ok for r in results):
+            self._failed_in_row = []
+            return
+        self._failed_in_row.append(results)
+        groups = len(self._failed_in_row)
+        if groups < self.failed_groups_to_stop or self._failure is None or self._failure.done():
+            return
+        eps = [r for group in self._failed_in_row for r in group]
+        counts = Counter(r.end_reason for r in eps).most_common()
+        reasons = ", ".join(f"{k} x{n}" for k, n in counts)
+        last = next((r.error for r in reversed(eps) if r.error), None)
+        self._failure.set_exception(
+            RolloutStalled(
+                f"no episode of the last {groups} groups ended normally ({len(eps)} episodes: "
+                f"{reasons}); the run cannot train on failures, so it stops. "
+                + (f"The last error: {last[:500]}. " if last else "")
+                + "Each episode's error is in RUN_DIR/episodes.db (areal-agent view RUN_DIR)."
+            )
+        )
+
     # ------------------------------------------------------------------ producing
     async def _produce(self) -> None:
         assert self.gate is not None
@@ -402,6 +436,7 @@ class GroupSource:
                 for r in rescored:
                     self.store.put_rescored(r.episode)
         ok = _usable(results)
+        self._check_progress(results)
         unused = None
         if probed_out:
             unused = "uniform_probe"
@@ -418,6 +453,10 @@ class GroupSource:
             self.state.skipped_groups.append(g)  # never redone; the gate admits a new group
             self._pending.pop(g, None)
             self._counted.pop(g, None)
+
+
+class RolloutStalled(RuntimeError):
+    """Every episode of many groups in a row failed: the run cannot train."""
 
 
 def _usable(results: list[EpisodeResult]) -> list[EpisodeResult]:

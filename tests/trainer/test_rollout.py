@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -171,3 +172,49 @@ async def test_a_producer_error_reaches_next_batch(tokenizer):
     with pytest.raises(Exception, match="no env"):
         await asyncio.wait_for(src.next_batch(1), 10)
     await src.close()
+
+
+class Broken(Parity):
+    """Resets, then fails on every reply: each episode ends as ``env_error``."""
+
+    def _respond(self, message):
+        raise ValueError("the env's database is gone")
+
+
+envs.register("test/SourceBroken-v0", Broken, description="rollout test", override=True)
+
+
+async def test_a_run_whose_every_episode_fails_stops_with_the_reason(tokenizer):
+    """Failed episodes are counted and the run goes on, but not for ever: once every episode
+    of ``failed_groups_to_stop`` groups in a row failed, the wait for a batch raises with the
+    end reasons and the last error (it used to wait, generating failures, without end)."""
+    from areal_agents.trainer.rollout import RolloutStalled
+
+    proxy = Proxy(fake_engine(tokenizer), tokenizer)
+    src = EnvSource(
+        settings(), RunState(), Runner(proxy), lambda: envs.make("test/SourceBroken-v0")
+    )
+    src.failed_groups_to_stop = 3
+    await src.start(version=0)
+    with pytest.raises(RolloutStalled) as err:
+        await asyncio.wait_for(src.next_batch(1), 30)
+    message = str(err.value)
+    assert "no episode of the last 3 groups ended normally (9 episodes: env_error x9)" in message
+    assert "the env's database is gone" in message
+    assert src.dropped["env_error"] >= 9  # each failure was counted on the way
+    await src.close()
+
+
+async def test_failed_groups_between_good_ones_do_not_stop_the_run(tokenizer):
+    src = EnvSource(
+        settings(), RunState(), Runner(Proxy(fake_engine(tokenizer), tokenizer)), make_env
+    )
+    src.failed_groups_to_stop = 2
+    ok = await src.episodes(0, 1, 0)
+    failed = [dataclasses.replace(ok[0], end_reason="env_error", error="boom")]
+    src._failure = asyncio.get_running_loop().create_future()
+    for results in (failed, ok, failed, ok, failed):
+        src._check_progress(results)
+    assert not src._failure.done()
+    src._check_progress(failed)
+    assert src._failure.done() and "the last 2 groups" in str(src._failure.exception())
