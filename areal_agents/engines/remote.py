@@ -327,6 +327,22 @@ class RemoteEngine:
     def _server_died(self) -> bool:
         return self.server is not None and not self.server.running and not self._closed
 
+    async def _until_sendable(self) -> None:
+        """Wait until a request may be sent: no weight swap in progress (see
+        :meth:`_swapped`) and no restart (a resubmission must not reach a half-restored
+        server). Both are checked again after any wait, with no wait between the last check
+        and the caller's send: a swap that began while the request waited for a restart
+        would otherwise receive it and bind it to the old weights under the new label."""
+        while True:
+            while self._swapping and not self._closed:
+                await asyncio.sleep(0.01)
+            if self._restart_lock.locked() and not self._closed:
+                await self._wait_restarted()
+                continue  # a swap may have begun meanwhile
+            if self._failure is not None:
+                raise self._failure
+            return
+
     async def _wait_restarted(self) -> None:
         while self._restart_lock.locked() and not self._closed:
             await asyncio.sleep(0.05)
@@ -413,9 +429,7 @@ class RemoteEngine:
             if room <= 0:
                 finish, reason = "length", None
                 break
-            while self._swapping and not self._closed:  # see _swapped
-                await asyncio.sleep(0.01)
-            await self._wait_restarted()  # a resubmission must not reach a half-restored server
+            await self._until_sendable()
             epoch, fallback = self._interrupt_epoch, self._version
             try:
                 seg = await self._submit(prompt + ids, params, room)

@@ -169,3 +169,40 @@ def test_sglang_errors_are_named() -> None:
         sglang_segment(mismatch)
     with pytest.raises(BackendError, match="unexpected SGLang response"):
         sglang_segment({"text": "x"})
+
+
+class Recording(RemoteEngine):
+    """Its first request is aborted by a weight update while the server dies (a restart
+    begins); then it records whether a swap was in progress when each request was sent."""
+
+    def __init__(self) -> None:
+        super().__init__("http://unused", model_name="m", max_context=100)
+        self.sent_while_swapping: list[bool] = []
+
+    async def _submit(self, prompt: list[int], params: SamplingParams, n: int) -> Segment:
+        if not self._restart_lock.locked() and not self.sent_while_swapping and n == 2:
+            self._interrupt_epoch += 1  # an update began: the request is aborted ...
+            self._restart_lock.acquire()  # ... and the server died: a restart is under way
+            return Segment([5], [-0.2], [1], "abort")
+        self.sent_while_swapping.append(self._swapping)
+        return Segment([7], [-0.1], [2], "length")
+
+
+async def test_a_request_waiting_for_a_restart_is_not_sent_into_a_swap() -> None:
+    """An interrupted request waits while the server restarts; the restart ends and a weight
+    swap begins before the request wakes up. It must wait for the swap too: sent during it,
+    vLLM binds it to the old adapter and it runs on the old weights under the new version's
+    label (seen as mismatch/kl 2.9e-3 on a restarted vLLM run)."""
+    import asyncio
+
+    engine = Recording()
+    request = asyncio.create_task(engine.generate([1, 2], SamplingParams(max_new_tokens=2)))
+    await asyncio.sleep(0.05)  # aborted, now waiting for the restart
+    assert engine._restart_lock.locked() and engine.sent_while_swapping == []
+    engine._swapping = True  # the restart is done and an update's swap begins at once
+    engine._restart_lock.release()
+    await asyncio.sleep(0.15)
+    assert not request.done() and engine.sent_while_swapping == []
+    engine._swapping = False
+    result = await asyncio.wait_for(request, 5)
+    assert result.output_ids == [5, 7] and engine.sent_while_swapping == [False]
