@@ -60,8 +60,15 @@ class HeldOut:
             env = make(env_id, **kwargs)
         except TypeError as exc:
             raise ConfigError(f"{what}: the env does not take them: {exc}") from None
-        takes_split = "split" in inspect.signature(type(env.unwrapped).__init__).parameters
+        params = inspect.signature(type(env.unwrapped).__init__).parameters
+        takes_split = "split" in params
         env.close()
+        self.needs_user = "user_simulator" in params and not (
+            {"user_simulator", "user_base_url"} & set(kwargs)
+        )
+        """The env simulates a user and the eval kwargs name none: the held-out envs take
+        the training envs' (the run's own model, :class:`ProxyUserSimulator`) at the first
+        evaluation, when the run's proxy exists."""
         if takes_split:
             kwargs["split"] = cfg.eval.split
             try:
@@ -90,6 +97,9 @@ class HeldOut:
             return {}
         cfg = self.cfg
         await source.prepare()  # an in-process agent needs the proxy served over HTTP
+        if self.needs_user:
+            self.make_env = functools.partial(self.make_env, user_simulator=_user_of(source))
+            self.needs_user = False
         base = source.runner
         runner = Runner(
             base.proxy,
@@ -168,6 +178,22 @@ class HeldOut:
         split = f", {self.split} split" if self.enabled and self.split else ""
         n = self.results[-1]["episodes"]
         return f"held-out success: {' -> '.join(parts)} ({n} tasks, {how}{split})"
+
+
+def _user_of(source: Any) -> Any:
+    """The simulated user of the training envs of ``source`` (the run's own model)."""
+    make_env = getattr(source, "make_env", None)
+    env = make_env() if make_env is not None else None
+    user = getattr(env.unwrapped, "user_simulator", None) if env is not None else None
+    if env is not None:
+        env.close()
+    if user is None:
+        raise ConfigError(
+            "eval: the held-out env simulates a user and the training envs have none to "
+            "lend it; set eval.env_kwargs.user_base_url to an OpenAI-compatible endpoint "
+            "that plays it"
+        )
+    return user
 
 
 def metrics_of(report: EvalReport) -> dict[str, float]:

@@ -208,14 +208,6 @@ def _own_model_customer(cfg: TrainConfig, kwargs: dict[str, Any], what: str) -> 
             "OpenAI-compatible endpoint that plays it (e.g. one started with areal-agent "
             "serve), or use scheduler: local"
         )
-    eval_kwargs = {**kwargs, **cfg.eval.env_kwargs}
-    if cfg.eval.episodes and not _has_user(eval_kwargs):
-        raise ConfigError(
-            f"eval.episodes: the held-out evaluation of {cfg.env.id} makes envs of its own, "
-            "and the run's own model plays the simulated customer only in training "
-            "episodes; set eval.env_kwargs.user_base_url (or env.kwargs.user_base_url, for "
-            "both) to an OpenAI-compatible endpoint that plays it, or eval.episodes=0"
-        )
     cap = kwargs.pop("user_max_tokens", None)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise ConfigError(f"{what}: user_max_tokens must be an int >= 1, got {cap!r}")

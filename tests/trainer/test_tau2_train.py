@@ -113,9 +113,6 @@ def test_the_customer_settings_are_checked_before_the_model_loads(tmp_path):
     what = "env areal/Tau2Retail-v0 (env.kwargs)"
     with pytest.raises(ConfigError, match=r"scheduler: ray.*env\.kwargs\.user_base_url"):
         _own_model_customer(_cfg("m", tmp_path, "scheduler=ray"), {}, what)
-    cfg = _cfg("m", tmp_path, "eval.episodes=4")
-    with pytest.raises(ConfigError, match=r"eval\.env_kwargs\.user_base_url"):
-        _own_model_customer(cfg, {}, what)
     cfg = _cfg("m", tmp_path)
     with pytest.raises(ConfigError, match="user_max_tokens must be an int"):
         _own_model_customer(cfg, {"user_max_tokens": "8"}, what)
@@ -146,8 +143,13 @@ def test_tau2_trains_two_steps_with_the_runs_own_model_as_the_customer(talking_m
     from areal_agents.trainer.loop import Trainer
 
     run = tmp_path / "run"
-    summary = asyncio.run(Trainer(_cfg(talking_model_dir, run), quiet=True).run())
+    cfg = _cfg(talking_model_dir, run, "eval.episodes=2")
+    summary = asyncio.run(Trainer(cfg, quiet=True).run())
     assert summary["turns_mean"] > 0
+    # the held-out episodes ran with the same customer (no endpoint configured)
+    evals = json.loads((run / "eval.json").read_text())
+    assert [e["label"] for e in evals] == ["base", "final"] and evals[0]["episodes"] == 2
+    assert not any(e["end_reasons"].get("env_error") for e in evals), evals
     rows = [json.loads(x) for x in (run / "groups.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     store = EpisodeStore(run / "episodes.db")
@@ -157,9 +159,10 @@ def test_tau2_trains_two_steps_with_the_runs_own_model_as_the_customer(talking_m
         trained = {i for i in ids if store.train_tokens(i)}
     finally:
         store.close()
-    # every session is a training episode (g<N>): the customer's calls opened none
+    # every session is a training or held-out episode: the customer's calls opened none
     groups = {s.episode.group_id for s in episodes if s is not None}
-    assert groups and all(re.fullmatch(r"g\d+", g or "") for g in groups), groups
+    pattern = r"g\d+|eval-(base|final)-\d+"  # training and held-out episodes only
+    assert groups and all(re.fullmatch(pattern, g or "") for g in groups), groups
     assert trained and trained <= set(ids)
     # the trained groups hold the agent's sessions and completions only
     by_id = {s.id: s.episode for s in episodes if s is not None}
