@@ -14,6 +14,7 @@ steps, so rewards, returns and advantages that can differ from zero come from ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import math
@@ -98,16 +99,14 @@ def runs(short_run: Any, eval_run: Any, tool_run: Path) -> Runs:
     return Runs(short_run.out, eval_run.out, tool_run)
 
 
-@pytest.fixture(scope="session")
-def view(browser: Any, runs: Runs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``areal-agent view SHORT EVAL TOOLS --port P --no-browser`` in a subprocess, as a
-    user starts it; its base URL (without the trailing slash), once it answers."""
+@contextlib.contextmanager
+def served_view(sources: list[Path], log: Path) -> Iterator[str]:
+    """``areal-agent view SOURCES --port P --no-browser`` in a subprocess, as a user starts
+    it (stderr to ``log``); its base URL (without the trailing slash), once it answers."""
     from areal_agents.engines.launch import free_port
 
     port = free_port()
-    log = tmp_path_factory.mktemp("view-log") / "stderr.txt"
-    cmd = [sys.executable, "-m", "areal_agents.cli.main", "view"]
-    cmd += [str(runs.short), str(runs.eval), str(runs.tools)]
+    cmd = [sys.executable, "-m", "areal_agents.cli.main", "view", *map(str, sources)]
     with log.open("w") as err:
         proc = subprocess.Popen(
             [*cmd, "--port", str(port), "--no-browser"],
@@ -138,6 +137,15 @@ def view(browser: Any, runs: Runs, tmp_path_factory: pytest.TempPathFactory) -> 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def view(browser: Any, runs: Runs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``areal-agent view SHORT EVAL TOOLS --port P --no-browser`` in a subprocess, as a
+    user starts it; its base URL (without the trailing slash), once it answers."""
+    log = tmp_path_factory.mktemp("view-log") / "stderr.txt"
+    with served_view([runs.short, runs.eval, runs.tools], log) as url:
+        yield url
 
 
 # ---------------------------------------------------------------------------- tool_run
@@ -547,41 +555,9 @@ def long_run(tmp_path_factory: pytest.TempPathFactory, qwen_chat_tokenizer: Any)
 def long_view(long_run: LongRun, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``areal-agent view LONG_RUN --port P --no-browser`` in a subprocess, as ``view`` starts
     it; its base URL (without the trailing slash), once it answers."""
-    from areal_agents.engines.launch import free_port
-
-    port = free_port()
     log = tmp_path_factory.mktemp("long-view-log") / "stderr.txt"
-    cmd = [sys.executable, "-m", "areal_agents.cli.main", "view", str(long_run.path)]
-    with log.open("w") as err:
-        proc = subprocess.Popen(
-            [*cmd, "--port", str(port), "--no-browser"],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line == f"view: http://127.0.0.1:{port}/\n", line + log.read_text()
-        url = line.split(" ", 1)[1].strip().rstrip("/")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, f"areal-agent view exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "areal-agent view did not answer in 60 s"
-            time.sleep(0.2)
+    with served_view([long_run.path], log) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ---------------------------------------------------------------------------- run pages
@@ -775,41 +751,9 @@ class RunPages:
 def run_pages(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunPages]:
     """``areal-agent view RUNS --port P --no-browser`` in a subprocess over two runs of
     ``write_staged_run`` (see :class:`RunPages`); started as ``view`` starts it."""
-    from areal_agents.engines.launch import free_port
-
     root = tmp_path_factory.mktemp("run-pages") / "runs"
     finished = write_staged_run(root, STAGED_RUN, steps=30, target=30, reason="steps_done")
     timed_out = write_staged_run(root, TIMED_OUT_RUN)
-    port = free_port()
     log = tmp_path_factory.mktemp("run-pages-log") / "stderr.txt"
-    cmd = [sys.executable, "-m", "areal_agents.cli.main", "view", str(root)]
-    with log.open("w") as err:
-        proc = subprocess.Popen(
-            [*cmd, "--port", str(port), "--no-browser"],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line == f"view: http://127.0.0.1:{port}/\n", line + log.read_text()
-        url = line.split(" ", 1)[1].strip().rstrip("/")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, f"areal-agent view exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "areal-agent view did not answer in 60 s"
-            time.sleep(0.2)
+    with served_view([root], log) as url:
         yield RunPages(url, root, finished, timed_out)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
