@@ -410,7 +410,10 @@ class TrainConfig(Checked):
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The inference engine that generates the episodes: embedded, or vLLM / SGLang servers."""
     algorithm: str = "grpo"
-    """One of ALGORITHMS: how advantages and the loss are configured."""
+    """The RL algorithm, which sets the advantage estimator and the loss: one of grpo,
+    dr_grpo, lite_ppo, rloo, gspo, dapo, ppo, reinforce_pp, reinforce_pp_baseline, sapo,
+    m2po (``ALGORITHMS``; each defined in ``areal_agents.trainer.algorithms``). The ``loss``
+    and ``advantage`` keys left null take its values."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling during rollouts."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
