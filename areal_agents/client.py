@@ -34,11 +34,12 @@ hub's ``429 Retry-After`` (no task: the trainer's staleness gate is full), stops
 whose task the hub declared lost or withdrew, and raises :class:`WorkerError` only for what
 retrying cannot fix (a wrong token or URL).
 
-This module imports only the standard library and ``httpx`` (``openai`` when a worker starts
-serving, if it is installed), so a worker needs neither torch nor the proxy's dependencies::
+This module imports only the standard library, ``httpx`` and ``tenacity`` (its retries;
+``openai`` when a worker starts serving, if it is installed), so a worker needs neither torch
+nor the proxy's dependencies::
 
     pip install --no-deps areal-agents
-    pip install httpx openai
+    pip install httpx openai tenacity
 
 (``requirements/make_venv.sh client DIR`` builds such an environment with pinned versions.)
 It sets ``OPENAI_AGENTS_DISABLE_TRACING=1`` when it starts serving: the Agents SDK's tracing
@@ -61,6 +62,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from areal_agents.errors import ArealError, UserError
 
@@ -192,21 +202,20 @@ class RemoteTool:
 
     async def acall(self, arguments: str | dict[str, Any] | None = None) -> RemoteToolResult:
         """Run the tool on the model's arguments (a JSON string or a dict)."""
+        post = AsyncRetrying(  # a request that was never sent is safe to repeat
+            retry=retry_if_exception_type((httpx.ConnectError, httpx.ConnectTimeout)),
+            stop=stop_after_attempt(4),
+            wait=wait_exponential(multiplier=0.5),  # 0.5, 1, 2 s
+            reraise=True,
+        )
         body = {"arguments": arguments}
-        delay = 0.5
-        for attempt in range(4):  # a request that was never sent is safe to repeat
-            try:
-                return self._result(
-                    await self._link.post(self._path, body, timeout_s=_TOOL_TIMEOUT_S)
-                )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt == 3:
-                    raise self._unreachable(exc) from None
-                await asyncio.sleep(delay)
-                delay *= 2
-            except httpx.TransportError as exc:
-                raise self._unreachable(exc) from None
-        raise AssertionError("unreachable")
+        try:
+            response: httpx.Response = await post(
+                self._link.post, self._path, body, timeout_s=_TOOL_TIMEOUT_S
+            )
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from None
+        return self._result(response)
 
     def call(self, arguments: str | dict[str, Any] | None = None) -> RemoteToolResult:
         """Blocking :meth:`acall`, for agents that call tools synchronously (from a thread)."""
@@ -389,42 +398,45 @@ class AgentWorker:
 
     async def _next_task(self) -> WorkerTask:
         """The next task; retries until one comes (raises WorkerError if it never can)."""
-        backoff = 0.5
+        polls = AsyncRetrying(  # for ever: the trainer may restart
+            retry=retry_if_exception_type(httpx.TransportError)
+            | retry_if_result(lambda r: r.status_code == 429 or r.status_code >= 500),
+            wait=_Backoff(self.max_backoff_s),
+            before_sleep=self._before_next_poll,
+        )
+        r: httpx.Response = await polls(self._poll)
+        if r.status_code == 200:
+            task = WorkerTask.from_json(r.json(), self._link)
+            self.counters["tasks"] += 1
+            return task
+        message, _ = _error_of(r)
+        if r.status_code in (401, 403):
+            raise WorkerError(f"the trainer at {self.url} refused the worker token: {message}")
+        if r.status_code == 404:
+            raise WorkerError(
+                f"{self.url} has no worker API (POST /workers/tasks/next answered 404): "
+                "connect to the URL of the trainer's proxy"
+            )
+        raise WorkerError(f"the trainer refused the poll ({r.status_code}): {message}")
+
+    async def _poll(self) -> httpx.Response:
+        self.counters["polls"] += 1
         body = {"worker_id": self.worker_id, "wait_s": self.wait_s}
-        while True:
-            self.counters["polls"] += 1
-            try:
-                r = await self._link.post(
-                    "/workers/tasks/next", body, timeout_s=self.wait_s + self._link.timeout_s
-                )
-            except httpx.TransportError as exc:
-                self.counters["connect_errors"] += 1
-                _log.warning("cannot reach %s (%s); retrying in %.1f s", self.url, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.max_backoff_s)
-                continue
-            if r.status_code == 200:
-                task = WorkerTask.from_json(r.json(), self._link)
-                self.counters["tasks"] += 1
-                return task
-            message, _ = _error_of(r)
-            if r.status_code == 429:
-                self.counters["polls_429"] += 1
-                await asyncio.sleep(_retry_after(r, self.max_backoff_s))
-                backoff = 0.5
-            elif r.status_code in (401, 403):
-                raise WorkerError(f"the trainer at {self.url} refused the worker token: {message}")
-            elif r.status_code == 404:
-                raise WorkerError(
-                    f"{self.url} has no worker API (POST /workers/tasks/next answered 404): "
-                    "connect to the URL of the trainer's proxy"
-                )
-            elif r.status_code >= 500:
-                _log.warning("the trainer answered %s (%s); retrying", r.status_code, message)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.max_backoff_s)
-            else:
-                raise WorkerError(f"the trainer refused the poll ({r.status_code}): {message}")
+        timeout_s = self.wait_s + self._link.timeout_s
+        return await self._link.post("/workers/tasks/next", body, timeout_s=timeout_s)
+
+    def _before_next_poll(self, state: RetryCallState) -> None:
+        outcome, pause = state.outcome, state.next_action.sleep if state.next_action else 0.0
+        assert outcome is not None
+        if outcome.failed:
+            self.counters["connect_errors"] += 1
+            _log.warning(
+                "cannot reach %s (%s); retrying in %.1f s", self.url, outcome.exception(), pause
+            )
+        elif (r := outcome.result()).status_code == 429:
+            self.counters["polls_429"] += 1
+        else:
+            _log.warning("the trainer answered %s (%s); retrying", r.status_code, _error_of(r)[0])
 
     # ------------------------------------------------------------------ one task
     async def _run_task(self, run: Any, task: WorkerTask) -> bool:
@@ -478,24 +490,25 @@ class AgentWorker:
 
     async def _post(self, task: WorkerTask, answer: str | None, error: str | None) -> bool:
         """Post the result, retrying connection errors while the hub may still wait for it."""
-        path = f"/workers/tasks/{task.id}/result"
-        give_up = time.monotonic() + max(10.0, 3 * task.heartbeat_s)
-        backoff = 0.5
-        while True:
-            try:
-                r = await self._link.post(path, {"final_answer": answer, "error": error})
-            except httpx.TransportError as exc:
-                if time.monotonic() > give_up:
-                    _log.error("cannot post the result of task %s: %s", task.id, exc)
-                    return False
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.max_backoff_s)
-                continue
-            if r.status_code == 200:
-                self.counters["results"] += 1
-                return True
-            _log.warning("the result of task %s was refused: %s", task.id, _error_of(r)[0])
+        post = AsyncRetrying(
+            retry=retry_if_exception_type(httpx.TransportError),
+            stop=stop_after_delay(max(10.0, 3 * task.heartbeat_s)),
+            wait=_Backoff(self.max_backoff_s),
+            reraise=True,
+        )
+        body = {"final_answer": answer, "error": error}
+        try:
+            r: httpx.Response = await post(
+                self._link.post, f"/workers/tasks/{task.id}/result", body
+            )
+        except httpx.TransportError as exc:
+            _log.error("cannot post the result of task %s: %s", task.id, exc)
             return False
+        if r.status_code == 200:
+            self.counters["results"] += 1
+            return True
+        _log.warning("the result of task %s was refused: %s", task.id, _error_of(r)[0])
+        return False
 
 
 # ---------------------------------------------------------------------- helpers
@@ -665,6 +678,24 @@ class TrainerSessions:
         if response.status_code in (404, 409):
             return TaskGone(f"{what}: {message}")
         return WorkerError(f"{what} answered {response.status_code}: {message}")
+
+
+class _Backoff:
+    """A tenacity wait: pauses doubling from 0.5 s up to ``cap`` while the trainer is
+    unreachable or failing; a 429 (no task for now) waits its Retry-After and starts the
+    doubling over."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self.next = 0.5
+
+    def __call__(self, state: RetryCallState) -> float:
+        outcome = state.outcome
+        if outcome is not None and not outcome.failed and outcome.result().status_code == 429:
+            self.next = 0.5
+            return _retry_after(outcome.result(), self.cap)
+        pause, self.next = self.next, min(self.next * 2, self.cap)
+        return pause
 
 
 def _retry_after(response: httpx.Response, cap: float) -> float:

