@@ -21,31 +21,58 @@ Fields (docs/data-contract.md):
 A trainer killed with ``kill -9`` cannot say so: its file still says ``running``. Readers on
 the same host check the pid (:meth:`RunState.effective_status`) and show such a run as
 ``failed`` with the reason ``process <pid> is gone``.
+
+Two more files of the run directory belong with it:
+
+* ``RUN_DIR/stop``: a request to stop (``areal-agent stop``; :func:`request_stop`). The
+  trainer looks for it before each step; when it is there, the run checkpoints and ends as
+  ``stopped``. A new start of the run (``--resume``) removes it.
+* ``RUN_DIR/train.log``: what the run printed on the terminal (its progress lines and its
+  log records, :func:`run_log`), appended by each start of the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import socket
+import sys
+import threading
 import time
+import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+from areal_agents.errors import ArealError, ConfigError
 
 __all__ = [
     "FILE",
+    "LOG_FILE",
     "REASONS",
     "STATUSES",
+    "STOP_FILE",
     "RunState",
     "RunStateWriter",
+    "clear_stop_request",
+    "find_run_dir",
     "pid_alive",
     "read_run_state",
+    "read_stop_request",
+    "request_stop",
+    "run_log",
     "update_file",
 ]
 
+log = logging.getLogger(__name__)
+
 FILE = "run.json"
+STOP_FILE = "stop"
+LOG_FILE = "train.log"
 STATUSES = ("running", "finished", "failed", "stopped")
 REASONS = ("steps_done", "time_limit", "stopped", "failed")
 
@@ -181,6 +208,7 @@ class RunStateWriter:
             current, status=status, reason=reason, phase=None, updated_at=now, ended_at=now
         )
         _write(self.path, self.state)
+        log.info("run %s (%s) at step %d", status, reason, self.state.step)
 
 
 def update_file(run_dir: str | Path, **changes: Any) -> None:
@@ -201,3 +229,182 @@ def _write(path: Path, state: RunState) -> None:
     tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(state.to_json(), indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- finding a run
+def find_run_dir(spec: str | Path, runs_dir: str | Path = "runs") -> Path:
+    """The run directory ``spec`` names: a path, else a run of ``runs_dir`` by its name
+    (``quickstart`` for ``runs/quickstart``). A ConfigError naming the fix when neither is
+    a directory."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    named = Path(runs_dir) / str(spec)
+    bare = len(path.parts) == 1  # a name, not a path
+    if bare and named.is_dir():
+        return named
+    also = f" (nor {named})" if bare else ""
+    raise ConfigError(
+        f"no run directory {str(spec)!r}{also}; `areal-agent runs [DIR]` lists the runs"
+    )
+
+
+# ---------------------------------------------------------------------------- stop requests
+def request_stop(run_dir: str | Path) -> None:
+    """Ask the run in ``run_dir`` to stop before its next step: ``RUN_DIR/stop``, a JSON
+    object ``{requested_at, pid, host}`` of the process that asked."""
+    body = {"requested_at": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
+    path = Path(run_dir) / STOP_FILE
+    tmp = path.with_name(f".{STOP_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(body) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_stop_request(run_dir: str | Path) -> dict[str, Any] | None:
+    """The stop request of the run in ``run_dir`` (see :func:`request_stop`; ``{}`` when
+    its file cannot be read as one: it still counts), or None when there is none."""
+    path = Path(run_dir) / STOP_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {} if path.exists() else None
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def clear_stop_request(run_dir: str | Path) -> None:
+    """Remove the run's stop request (a new start of the run: it was for the one before)."""
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------- the run's log
+_LOGGING: set[Path] = set()  # the train.log files run_log writes now (it nests as a no-op)
+
+
+class _LogFile:
+    """``train.log``, written from several threads and streams. Progress bars, which
+    redraw their line (a carriage return, a cursor-up escape), become one line per redraw
+    here; a bar's erasing of itself (blanks) is left out. A failed write (a full disk) ends
+    the copying, never the run."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "a", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
+        self._lock = threading.Lock()
+        self._line_start = True
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            for i, part in enumerate(text.replace("\x1b[A", "").split("\r")):
+                if i > 0 and not self._line_start:  # a redraw: the line so far is done
+                    self._emit("\n")
+                if i == 0 or part.strip():
+                    self._emit(part)
+        return len(text)
+
+    def _emit(self, text: str) -> None:
+        if not text or self._file.closed:
+            return
+        try:
+            self._file.write(text)
+        except (OSError, ValueError):
+            self._file.close()
+        self._line_start = text.endswith("\n")
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                with contextlib.suppress(OSError, ValueError):
+                    self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+class _Tee:
+    """A text stream that writes to ``terminal`` and to the log; everything else (isatty,
+    fileno, encoding) is the terminal's."""
+
+    def __init__(self, terminal: TextIO, log: _LogFile) -> None:
+        self._terminal, self._log = terminal, log
+
+    def write(self, text: str) -> int:
+        self._terminal.write(text)
+        self._log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._terminal.flush()
+        self._log.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._terminal, name)
+
+
+@contextlib.contextmanager
+def run_log(run_dir: str | Path) -> Iterator[None]:
+    """Copy what this process prints (``sys.stdout``, ``sys.stderr``: the progress lines)
+    and its log records (``areal_agents`` from INFO, everything else from WARNING) to
+    ``RUN_DIR/train.log`` while the block runs, as well as to the terminal. Each start
+    appends a header line; an error that ends the block is written with its traceback.
+    Nested for the same directory, the inner one does nothing."""
+    path = (Path(run_dir) / LOG_FILE).resolve()
+    if path in _LOGGING:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log_file = _LogFile(path)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    log_file.write(f"--- {started} pid {os.getpid()} on {socket.gethostname()}: ")
+    log_file.write(f"{_command_line()}\n")
+    out, err = sys.stdout, sys.stderr
+    root, ours = logging.getLogger(), logging.getLogger("areal_agents")
+    to_file = logging.StreamHandler(log_file)  # type: ignore[arg-type]
+    to_file.setLevel(logging.INFO)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handlers: list[logging.Handler] = [to_file]
+    if not root.handlers:  # what logging's last resort did: warnings on the terminal
+        terminal = logging.StreamHandler(err)
+        terminal.setLevel(logging.WARNING)
+        handlers.append(terminal)
+    level = ours.level
+    if ours.getEffectiveLevel() > logging.INFO:
+        ours.setLevel(logging.INFO)
+    for h in handlers:
+        root.addHandler(h)
+    tee_out, tee_err = _Tee(out, log_file), _Tee(err, log_file)
+    sys.stdout, sys.stderr = tee_out, tee_err  # type: ignore[assignment]
+    _LOGGING.add(path)
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit) as exc:
+        log_file.write(f"--- ended by {type(exc).__name__}\n")
+        raise
+    except ArealError as exc:  # the command line prints it, without a traceback
+        log_file.write(f"error: {exc}\n")
+        raise
+    except BaseException:
+        log_file.write(traceback.format_exc())
+        raise
+    finally:
+        _LOGGING.discard(path)
+        if sys.stdout is tee_out:
+            sys.stdout = out
+        if sys.stderr is tee_err:
+            sys.stderr = err
+        for h in handlers:
+            root.removeHandler(h)
+        ours.setLevel(level)
+        log_file.close()
+
+
+def _command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("main.py", "__main__.py")):
+        argv[0] = "areal-agent"
+    return " ".join(argv)

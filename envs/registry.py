@@ -18,7 +18,11 @@ This module adds:
   A plugin that fails to load is reported with a warning and skipped.
 - :func:`make`, which raises :class:`areal_agents.errors.EnvNotFound` with
   "Did you mean ...?" for an unknown id and returns the env itself (gymnasium's wrappers
-  would hide ``tools()`` and ``score()``).
+  would hide ``tools()`` and ``score()``);
+- ids that name where an env is (:func:`resolve_id`): ``"pkg.module:ClassName"`` imports the
+  module and registers the class under that string, in whichever process makes it first
+  (Ray rollout workers included: the id travels, each process resolves it); gymnasium's own
+  ``"pkg.module:Name-v0"`` imports the module (which registers its envs) and looks the id up.
 """
 
 from __future__ import annotations
@@ -32,15 +36,25 @@ from collections.abc import Callable
 from typing import Any
 
 import gymnasium
+from gymnasium.utils.env_checker import check_env as gymnasium_check_env
 
 from areal_agents.envs.mcp import add_mcp_tools
 from areal_agents.errors import ArealError, ConfigError, EnvNotFound, check_import_name
 
-__all__ = ["ENTRY_POINT_GROUP", "list_envs", "load_plugins", "make", "probe", "register"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "list_envs",
+    "load_plugins",
+    "make",
+    "probe",
+    "register",
+    "resolve_id",
+]
 
 ENTRY_POINT_GROUP = "areal_agents.envs"
 
 _DESCRIPTIONS: dict[str, str] = {}
+_FROM_CLASS: set[str] = set()  # ids registered by resolve_id's "module:Class" form
 _plugins_loaded = False
 
 _BUILTINS: list[tuple[str, str, dict[str, Any], str]] = [
@@ -167,15 +181,26 @@ def _load_plugin(entry_point: importlib.metadata.EntryPoint) -> None:
 
 
 def list_envs() -> list[tuple[str, str]]:
-    """(id, one-line description) of every areal env: built-ins and plugins, sorted.
+    """(id, one-line description) of every areal env: built-ins and plugins, sorted; not
+    the ``"module:ClassName"`` ids made so far (:func:`resolve_id`), which plain
+    ``gymnasium.make`` cannot make (it reads them as its own ``"module:Name-v0"`` form).
 
     Imports no env module."""
     load_plugins()
-    return sorted((id, desc) for id, desc in _DESCRIPTIONS.items() if id in gymnasium.registry)
+    return sorted(
+        (id, desc)
+        for id, desc in _DESCRIPTIONS.items()
+        if id in gymnasium.registry and id not in _FROM_CLASS
+    )
 
 
 def make(id: str, **kwargs: Any) -> Any:
-    """Create the env registered as ``id``; ``kwargs`` override the registered defaults.
+    """Create the env ``id`` names; ``kwargs`` override the registered defaults.
+
+    ``id`` is a registered id (``"areal/Calculator-v0"``), or where an env is:
+    ``"pkg.module:ClassName"`` (the class, registered under that string) or gymnasium's
+    ``"pkg.module:Name-v0"`` (an id the module registers when imported); see
+    :func:`resolve_id` for how the two are told apart.
 
     ``mcp`` is not passed to the env: it adds the tools of one MCP server (a mapping, see
     :mod:`areal_agents.tools.mcp_client`) or of several (a list of mappings) to the env's own,
@@ -183,15 +208,15 @@ def make(id: str, **kwargs: Any) -> Any:
     or ``env.kwargs.mcp`` in a training config.
 
     Raises:
-        EnvNotFound: ``id`` is not registered (the message suggests the nearest ids).
-        ConfigError: ``mcp`` is malformed, or a server cannot be started or reached.
+        EnvNotFound: ``id`` is not registered (the message suggests the nearest ids), or
+            the module or class it names cannot be found.
+        ConfigError: ``mcp`` is malformed, or a server cannot be started or reached; the
+            module ``id`` names fails to import, or names no ``gymnasium.Env`` subclass.
     """
-    if id not in gymnasium.registry:
-        load_plugins()
-    if id not in gymnasium.registry:
-        raise EnvNotFound(_not_found_message(id))
+    spec = gymnasium.registry[resolve_id(id)]
     servers = kwargs.pop("mcp", None)
-    env = gymnasium.make(id, disable_env_checker=True, **kwargs).unwrapped
+    # the spec itself, not its id: gymnasium.make would read "module:Class" as its own form
+    env = gymnasium.make(spec, disable_env_checker=True, **kwargs).unwrapped
     if servers is not None:
         try:
             add_mcp_tools(env, servers, where=f"env {id}: mcp")
@@ -202,11 +227,123 @@ def make(id: str, **kwargs: Any) -> Any:
     return env
 
 
+def resolve_id(id: str) -> str:
+    """The registered id that ``id`` names, importing and registering what it names first.
+
+    The rule, in order:
+
+    1. a registered id (a built-in's, a plugin's, one registered earlier in this process)
+       is itself;
+    2. an id without ``:`` is looked up among the plugins' (else :class:`EnvNotFound`);
+    3. ``"module:Name"``: the module is imported (``module`` is a dotted module name, found
+       on ``sys.path``: ``PYTHONPATH``, the installed packages). When ``Name`` is a Python
+       identifier and the module has an attribute of that name, it is the **class form**:
+       the attribute must be a ``gymnasium.Env`` subclass, and is registered under ``id``
+       itself (episodes and stores record ``"mypkg.envs:MyEnv"``; ``env.kwargs`` go to its
+       constructor). Otherwise it is **gymnasium's form**: ``Name`` is an id that importing
+       the module registered (``Name-v0``, ``ns/Name-v0``), and that id is returned.
+
+    So ``mymod:MyEnv`` is a class (identifiers have no ``-``) and ``mymod:MyEnv-v0`` an id.
+    Every process resolves the same string the same way, so an id made in Ray rollout
+    workers only needs the module importable there too (``PYTHONPATH`` or installed).
+
+    Raises:
+        EnvNotFound: no such id; the module is not importable, or has neither a class nor
+            a registered id of that name (the message says which, and the fix).
+        ConfigError: the module raised while importing; the attribute is not a
+            ``gymnasium.Env`` subclass; the module has its pre-0.2.0 name.
+    """
+    if id in gymnasium.registry:
+        return id
+    module_name, sep, name = id.partition(":")
+    if not sep:
+        load_plugins()
+        if id in gymnasium.registry:
+            return id
+        raise EnvNotFound(_not_found_message(id))
+    if not name:
+        raise EnvNotFound(f"env id {id!r}: expected 'pkg.module:ClassName' (or a registered id)")
+    check_import_name(id, f"env id {id!r}")
+    module = _import_env_module(id, module_name)
+    if name.isidentifier() and hasattr(module, name):
+        _register_class(id, getattr(module, name))
+        return id
+    if name in gymnasium.registry:
+        return name
+    where = f"{module_name!r} ({getattr(module, '__file__', None) or 'a namespace package'})"
+    if name.isidentifier():
+        classes = [
+            n
+            for n, v in vars(module).items()
+            if _is_env_class(v) and v.__module__ == module.__name__  # defined there
+        ]
+        close = difflib.get_close_matches(name, classes, n=3, cutoff=0.6)
+        hint = f" Did you mean {' or '.join(repr(f'{module_name}:{c}') for c in close)}?"
+        raise EnvNotFound(
+            f"env id {id!r}: module {where} has no class {name!r} (and registers no env id "
+            f"{name!r}).{hint if close else ''} Its env classes: {', '.join(classes) or 'none'}."
+        )
+    raise EnvNotFound(
+        f"env id {id!r}: importing {where} registered no env {name!r} (gymnasium's "
+        f"'module:Name-vN' form looks up an id the module registers; 'module:ClassName' "
+        f"names a class). {_not_found_message(name)}"
+    )
+
+
+def _import_env_module(id: str, module_name: str) -> Any:
+    """The module of a ``"module:Name"`` env id, with errors that say how to fix them."""
+    if not all(part.isidentifier() for part in module_name.split(".")):
+        raise EnvNotFound(
+            f"env id {id!r}: {module_name!r} is not a module name; write 'pkg.module:ClassName' "
+            "with the directory that holds pkg (or module.py) on PYTHONPATH"
+        )
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module_name + ".").startswith(exc.name + "."):
+            raise ConfigError(
+                f"env id {id!r}: importing module {module_name!r} failed: {exc}"
+            ) from None
+        if "." in exc.name:  # the package is there, its submodule is not
+            raise EnvNotFound(
+                f"env id {id!r}: no module named {exc.name!r}; check the dotted module path "
+                "(pkg.module:ClassName)"
+            ) from None
+        raise EnvNotFound(
+            f"env id {id!r}: no module named {exc.name!r} here; put the directory that "
+            f"holds {exc.name}.py (or the package folder {exc.name}/) on PYTHONPATH, e.g. "
+            f"`PYTHONPATH=path/to/dir areal-agent ...`, or pip install its package"
+        ) from None
+    except Exception as exc:
+        raise ConfigError(
+            f"env id {id!r}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _is_env_class(obj: Any) -> bool:
+    return inspect.isclass(obj) and issubclass(obj, gymnasium.Env)
+
+
+def _register_class(id: str, obj: Any) -> None:
+    """Register the class of a ``"module:ClassName"`` id under the id itself."""
+    if not _is_env_class(obj):
+        what = "a class" if inspect.isclass(obj) else f"an object of type {type(obj).__name__}"
+        raise ConfigError(
+            f"env id {id!r}: that is {what}, not a gymnasium.Env subclass; name a class "
+            "derived from areal_agents.envs.AgentEnv (see docs/envs.md), or register a "
+            "factory with envs.register('myorg/Name-v0', factory) and use that id"
+        )
+    register(id, obj)
+    _FROM_CLASS.add(id)
+
+
 def probe(make_env: Callable[[], Any], *, seed: int | None, what: str) -> None:
     """Make one env with ``make_env`` and reset it with ``seed``, once, before a run's first
     episode: a configuration error (bad constructor kwargs, a missing part such as tau2's
     user simulator, a reset that reports ``info["error"]``) then fails the command with its
-    message, instead of ending every episode as ``env_error``.
+    message, instead of ending every episode as ``env_error``. An env made from a
+    ``"module:ClassName"`` id (:func:`resolve_id`) first goes through gymnasium's env
+    checker (``gymnasium.utils.env_checker.check_env``: its spaces, seeding, ``step``).
 
     Raises:
         ConfigError: the message starts with ``what`` (where the env's settings come from,
@@ -222,7 +359,10 @@ def probe(make_env: Callable[[], Any], *, seed: int | None, what: str) -> None:
     except Exception as exc:
         raise ConfigError(f"{what}: cannot make the env: {type(exc).__name__}: {exc}") from None
     try:
+        _gymnasium_check(env, what)
         _, info = env.reset(seed=seed)
+    except ConfigError:
+        raise
     except ArealError as exc:
         raise ConfigError(f"{what}: the env's first reset failed: {exc}") from None
     except Exception as exc:
@@ -236,6 +376,21 @@ def probe(make_env: Callable[[], Any], *, seed: int | None, what: str) -> None:
     if error:
         message = error.get("message", error) if isinstance(error, dict) else error
         raise ConfigError(f"{what}: the env's first reset reported an error: {message}")
+
+
+def _gymnasium_check(env: Any, what: str) -> None:
+    """Gymnasium's env checker, for an env of a ``"module:ClassName"`` id (others: nothing)."""
+    id = getattr(getattr(env, "spec", None), "id", None)
+    if id not in _FROM_CLASS:
+        return
+    try:
+        gymnasium_check_env(env, skip_render_check=True, skip_close_check=True)
+    except Exception as exc:
+        raise ConfigError(
+            f"{what}: {id} fails gymnasium's env checker: {type(exc).__name__}: {exc} "
+            "(run areal_agents.envs.check_env on it for the agent-env contract; see "
+            "docs/envs.md)"
+        ) from None
 
 
 def _not_found_message(id: str) -> str:

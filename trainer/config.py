@@ -303,7 +303,12 @@ class RunConfig(Checked):
     """CPU cores this process (the trainer, and with ``scheduler: local`` the engine and the
     episodes too) runs on, with that many torch threads (Linux ``sched_setaffinity``);
     None = every core. With ``scheduler: ray`` and ``rollout.engine_cpus`` on other cores,
-    training and inference each get cores of their own, as on separate GPUs."""
+    training and inference each get cores of their own, as on separate GPUs. Core numbers,
+    or positions among the cores the command may use (``os.sched_getaffinity``, sorted),
+    read when the config is loaded: ``allowed[1]`` (the second), ``allowed[2:4]`` (a
+    Python slice), ``allowed`` (all of them). A position past the last core is an error
+    that names the shared layout (``scheduler=local rollout.engine_cpus=null
+    rollout.idle_engine_cpus=null train.cpus=null``)."""
 
     @property
     def sharded(self) -> bool:

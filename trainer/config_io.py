@@ -25,7 +25,12 @@ import yaml
 
 from areal_agents.errors import ConfigError
 from areal_agents.trainer.config import TrainConfig
-from areal_agents.trainer.config_checks import Checked, choice_problem
+from areal_agents.trainer.config_checks import (
+    CORE_KEYS,
+    Checked,
+    allowed_cores,
+    choice_problem,
+)
 
 
 class _Loader(yaml.SafeLoader):
@@ -63,6 +68,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
         _apply_override(data, item, problems)
     if problems:  # the file or an override cannot be read: report those first
         raise ConfigError("cannot read the training config", problems=problems)
+    _resolve_cores(data, problems)
     cfg: TrainConfig = _build(TrainConfig, data, "", problems)
     problems.extend(_value_problems(cfg, ""))
     if problems:
@@ -98,6 +104,20 @@ def _apply_override(data: dict[str, Any], item: str, problems: list[str]) -> Non
             data[part] = {}
         data = data[part]
     data[keys[-1]] = value
+
+
+def _resolve_cores(data: dict[str, Any], problems: list[str]) -> None:
+    """Replace each core list written as ``allowed[...]`` by the cores it picks here
+    (:func:`~areal_agents.trainer.config_checks.allowed_cores`): the config holds, and the
+    run directory's config.yaml records, core numbers."""
+    for section, key in CORE_KEYS:
+        values = data.get(section)
+        if isinstance(values, dict) and isinstance(values.get(key), str):
+            try:
+                values[key] = list(allowed_cores(values[key], f"{section}.{key}"))
+            except ConfigError as exc:
+                problems.append(str(exc))
+                del values[key]  # reported once, not again as a wrong type
 
 
 def _build(cls: type[Any], data: Any, prefix: str, problems: list[str]) -> Any:

@@ -24,9 +24,13 @@ class EnvConfig(Checked):
     """Which environment to train on."""
 
     id: str | None = None
-    """Registered environment id, e.g. ``areal/Math-v0`` (see ``areal-agent envs``).
-    Required, except in self-rewarded runs (``rollout.agents: self_rewarded``), which have
-    no env."""
+    """Registered environment id, e.g. ``areal/Math-v0`` (see ``areal-agent envs``), or your
+    own env class as ``pkg.module:ClassName`` (the module on ``PYTHONPATH``; imported, checked
+    with gymnasium's env checker and registered under that string, in every process that
+    makes envs), or gymnasium's ``pkg.module:Name-v0`` (import the module, then look up an
+    id it registers): after the colon a Python identifier that names a class in the module
+    is a class, anything else (``Name-v0``) an id; see docs/envs.md. Required, except in
+    self-rewarded runs (``rollout.agents: self_rewarded``), which have no env."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for ``make(id, **kwargs)``."""
     split: str = "train"
@@ -35,7 +39,7 @@ class EnvConfig(Checked):
     """Seed of task sampling; None = ``train.seed``."""
 
     def _rules(self) -> Sequence[tuple[str, bool, str]]:
-        return [("id", self.id != "", "a registered id, e.g. areal/Math-v0")]
+        return [("id", self.id != "", "a registered id (areal/Math-v0) or pkg.module:ClassName")]
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,9 @@ class RolloutConfig(Checked):
     ``scheduler: ray`` (that many torch threads), or the servers ``engine.launch`` starts
     (split evenly between them; vLLM's CPU build binds its threads there). None = wherever
     the OS (or Ray) puts it. Beside ``train.cpus`` on other cores, a disaggregated layout:
-    inference and training never take turns on a core."""
+    inference and training never take turns on a core. Core numbers, or positions among the
+    cores the process may use (``os.sched_getaffinity``): ``allowed[0]`` (the first),
+    ``allowed[1:]`` (all but the first), ``allowed`` (all), as with ``train.cpus``."""
     idle_engine_cpus: tuple[int, ...] | None = None
     """A second engine replica on these cores (``scheduler: ray``) at the lowest CPU
     priority Linux has (``SCHED_IDLE``): it computes only while nothing else there wants
@@ -147,7 +153,8 @@ class RolloutConfig(Checked):
     (``train.cpus``) it turns the time the trainer waits for a batch into more episodes. A
     new session goes to the replica with the fewest requests in flight and stays there;
     weight updates reach both. Its compute is lane ``engine_idle`` of the spans, measured
-    in CPU time. None = off."""
+    in CPU time. Core numbers or ``allowed[...]`` positions (see ``engine_cpus``). None =
+    off."""
     probe_size: int = 0
     """Dynamic sampling with a probe (``algorithm: dapo``): sample this many episodes of a
     group first and drop the group there when their rewards are all equal, before the other

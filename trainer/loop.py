@@ -148,6 +148,7 @@ class Trainer:
         self.state = RunState()
         self._engine_last: tuple[float, float, float] | None = None  # time, tokens, steps
         self._phase = "starting"  # RUN_DIR/run.json's phase (run_state)
+        self._saved_step = -1  # the step of the newest checkpoint (-1: none yet)
         self._last_eval: dict[str, float] = {}  # the latest held-out evaluation's metrics
 
     # -- setup -------------------------------------------------------------------
@@ -364,11 +365,13 @@ class Trainer:
     def _checkpoint(self) -> None:
         self.state.elapsed_s = self._elapsed()
         save_checkpoint(self.out, self.state, self.policy, self.critic)
+        self._saved_step = self.state.step
 
     def _restore(self) -> bool:
         restored = restore_checkpoint(self.out, self.policy, self.critic)
         if restored is not None:
             self.state.__dict__.update(restored.__dict__)  # the source holds this object
+            self._saved_step = self.state.step
         return restored is not None
 
     def _consumed(self, groups: list[Group]) -> None:
@@ -377,6 +380,17 @@ class Trainer:
         st.consumed_groups += [g for g, _ in groups]
         st.episodes_consumed += sum(len(eps) for _, eps in groups)
         append_ledger(self.out, st.step, groups, trained_agents=self.cfg.agent.train)
+
+    def _stop_requested(self) -> bool:
+        """Whether ``areal-agent stop`` asked the run to stop (``RUN_DIR/stop``); then the
+        steps done so far are checkpointed (unless they just were)."""
+        if run_file.read_stop_request(self.out) is None:
+            return False
+        if self.state.step > 0 and self._saved_step != self.state.step:
+            self._checkpoint()
+        if not self.quiet:
+            print(f"stop requested: stopping after step {self.state.step}", file=sys.stderr)
+        return True
 
     def _out_of_time(self, recent: deque[float]) -> bool:
         limit = self.cfg.train.time_limit_min
@@ -426,6 +440,9 @@ class Trainer:
             await self._start()
             self._set_phase("training", step=st.step)
             while st.step < cfg.train.steps:
+                if self._stop_requested():  # areal-agent stop: no final evaluation or export
+                    summary["stopped_by_request"] = True
+                    return summary
                 if not recent and self._out_of_time(recent):  # the warm start spent it all
                     summary["stopped_by_time_limit"] = True
                     break
@@ -751,17 +768,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dic
     ``areal_agents.trainer.distributed.launch`` starts, or on Ray actors (``RayRanks``) with
     ``scheduler: ray``."""
     refuse_existing_run(cfg, resume)  # before run.json: a refused directory keeps its own
-    writer = run_file.RunStateWriter(cfg.train.output_dir, target_steps=cfg.train.steps)
-    try:
-        summary = _train(cfg, resume=resume, quiet=quiet)
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM (areal_agents.cli.main)
-        writer.end("stopped", "stopped")
-        raise
-    except BaseException as exc:
-        writer.end("failed", f"failed: {type(exc).__name__}: {exc}"[:2000])
-        raise
-    writer.end("finished", "time_limit" if summary.get("stopped_by_time_limit") else "steps_done")
-    return summary
+    run_file.clear_stop_request(cfg.train.output_dir)  # it was for the run's last start
+    with run_file.run_log(cfg.train.output_dir):  # RUN_DIR/train.log
+        writer = run_file.RunStateWriter(cfg.train.output_dir, target_steps=cfg.train.steps)
+        try:
+            summary = _train(cfg, resume=resume, quiet=quiet)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM (areal_agents.cli.main)
+            writer.end("stopped", "stopped")
+            raise
+        except BaseException as exc:
+            writer.end("failed", f"failed: {type(exc).__name__}: {exc}"[:2000])
+            raise
+        stopped = summary.get("stopped_by_request")  # areal-agent stop
+        limit = "time_limit" if summary.get("stopped_by_time_limit") else "steps_done"
+        writer.end("stopped" if stopped else "finished", "stopped" if stopped else limit)
+        return summary
 
 
 def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> dict[str, Any]:

@@ -5,6 +5,9 @@
     areal-agent eval --env ID [--episodes N --k K ...]    evaluate an agent, write a report
     ... [--ray [--ray-address HOST:PORT]]                 engines and rollouts on a Ray cluster
     areal-agent train [--config FILE] [a.b=c ...]         asynchronous RL
+    areal-agent train --resume RUN [a.b=c ...]            continue a stopped or failed run
+    areal-agent runs [DIR]                                the runs in DIR (default runs/)
+    areal-agent status RUN | logs RUN [-f] | stop RUN     one run: its state, its log, stop it
     areal-agent demos --env ID --n N --out FILE [--agent F] demonstrations for a warm start
     areal-agent envs                                      registered environments
     areal-agent mcp-serve --env ID [--transport stdio|http] serve an env's tools over MCP
@@ -12,9 +15,11 @@
 
 The commands live in the modules of this package, one per family: :mod:`.serve` (``serve``,
 ``eval``; server-backed engines in :mod:`.backend`), :mod:`.train` (``train``, ``demos``),
-:mod:`.envs` (``envs``, ``mcp-serve``), :mod:`.view` and :mod:`.worker`. A command's module is
+:mod:`.envs` (``envs``, ``mcp-serve``), :mod:`.runs` (``runs``, ``status``, ``logs``,
+``stop``), :mod:`.view` and :mod:`.worker`. A command's module is
 imported when the command runs, so ``--help`` loads none of them and ``worker`` only its own
-(httpx and openai, no torch, no fastapi).
+(httpx and openai, no torch, no fastapi). :func:`main` sets ``OMP_WAIT_POLICY=passive``
+unless the environment has it, before any command imports torch.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ _COMMANDS: dict[str, str] = {
     "mcp-serve": "envs:mcp_serve_command",
     "worker": "worker:worker_command",
     "view": "view:view_command",
+    "runs": "runs:runs_command",
+    "status": "runs:status_command",
+    "logs": "runs:logs_command",
+    "stop": "runs:stop_command",
 }
 
 _ADAPTER_HELP = (
@@ -60,6 +69,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="areal-agent",
         description="Agent-environment gym and asynchronous RL for tool-using LLM agents.",
     )
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="serve a model behind the recording OpenAI proxy")
@@ -151,7 +161,16 @@ def _build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="asynchronous RL on an environment")
     tr.add_argument("--config", default=None, help="YAML file (optional)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=8")
-    tr.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    tr.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="RUN",
+        help="continue from the last checkpoint: of RUN (a run directory, or a run's name in "
+        "runs/), with its own config.yaml plus the overrides given now; without RUN, of the "
+        "config's train.output_dir",
+    )
     tr.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.add_argument(
@@ -247,7 +266,49 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not open the page in a browser (opened when there is a display)",
     )
+    _add_run_commands(sub)
     return parser
+
+
+def _add_run_commands(sub: Any) -> None:
+    """``runs``, ``status``, ``logs``, ``stop``: the runs of ``train``, from the shell."""
+    rs = sub.add_parser(
+        "runs", help="list the training runs in a directory: status, step, held-out result"
+    )
+    rs.add_argument("dir", nargs="?", default="runs", help="a directory of runs (default: runs/)")
+    rs.add_argument("--json", action="store_true", help="one JSON object per run")
+    st = sub.add_parser(
+        "status", help="one run: its config, progress, last metrics and held-out results"
+    )
+    st.add_argument("run", help="a run directory, or a run's name in runs/")
+    st.add_argument("--json", action="store_true", help="as one JSON object")
+    lg = sub.add_parser("logs", help="a run's log (RUN_DIR/train.log)")
+    lg.add_argument("run", help="a run directory, or a run's name in runs/")
+    lg.add_argument(
+        "-f", "--follow", action="store_true", help="then what it writes, until the run ends"
+    )
+    lg.add_argument("-n", "--lines", type=int, default=None, help="only the last N lines")
+    sp = sub.add_parser(
+        "stop",
+        help="stop a run after its current step (it checkpoints; `train --resume RUN` "
+        "continues it); asked again, at once (SIGTERM)",
+    )
+    sp.add_argument("run", help="a run directory, or a run's name in runs/")
+    sp.add_argument("--wait", action="store_true", help="return once the run has ended")
+
+
+class _Version(argparse.Action):
+    """``--version``: the version of the package that runs (``areal_agents.__version__``;
+    an editable install's metadata keeps the version it was installed at)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from areal_agents import __version__  # noqa: PLC0415  only when asked
+
+        print(f"areal-agent {__version__}")
+        parser.exit()
 
 
 def _add_ray_args(parser: argparse.ArgumentParser, *, workers: bool) -> None:
@@ -340,6 +401,10 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before a command imports torch: OpenMP threads waiting for work sleep instead of
+    # spinning on a core that another process (the engine, the trainer) needs. The
+    # processes a command starts (Ray's, engine servers) inherit it; a user's value stays.
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     parser = _build_parser()

@@ -16,6 +16,7 @@ from areal_agents.envs.registry import make
 from areal_agents.errors import ConfigError
 from areal_agents.model import resolve_model
 from areal_agents.rollout.observe import observe_prompt
+from areal_agents.run_state import FILE, find_run_dir, read_run_state, run_log
 from areal_agents.serve.chat import ChatTokenizer
 from areal_agents.trainer.config_io import format_config, load_config
 from areal_agents.trainer.memory import estimate_for_config
@@ -24,27 +25,79 @@ __all__ = ["demos_command", "train_command"]
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """Train on the resolved config (``--dry-run``: print it and the memory estimate)."""
+    """Train on the resolved config (``--dry-run``: print it and the memory estimate).
+
+    ``--resume RUN`` continues the run in directory RUN: its own resolved config
+    (``RUN/config.yaml``, or ``--config``) with the overrides given now, in RUN. ``--resume``
+    alone continues the config's ``train.output_dir``."""
     overrides = list(args.overrides)
+    resume, config = args.resume, args.config
+    if isinstance(resume, str) and "=" in resume and not Path(resume).exists():
+        overrides.insert(0, resume)  # `--resume a.b=c`: an override, not a run directory
+        resume = True
     if args.nproc is not None:
         overrides.append(f"train.nproc={args.nproc}")
     overrides += engine_overrides(args)
-    cfg = load_config(args.config, overrides)
+    if isinstance(resume, str):
+        run = find_run_dir(resume)
+        config = config or _run_config(run)
+        if any(o.partition("=")[0].strip() == "train.output_dir" for o in overrides):
+            raise ConfigError(
+                f"--resume {resume} continues the run in {run}: drop the train.output_dir "
+                "override (or resume that directory instead)"
+            )
+        overrides.append(f"train.output_dir={json.dumps(str(run))}")
+    cfg = load_config(config, overrides)
     if args.dry_run:
         print(format_config(cfg))
         print(f"# estimated training memory per rank:\n{estimate_for_config(cfg).format()}")
         return 0
-    from areal_agents.trainer.loop import train  # noqa: PLC0415  loads torch to train
+    out = cfg.train.output_dir
+    _refuse_running(out)
+    from areal_agents.trainer.loop import refuse_existing_run, train  # noqa: PLC0415  loads torch to train
 
-    print(view_hint(cfg.train.output_dir), flush=True)
-    summary = train(cfg, resume=args.resume, quiet=args.quiet)
-    keys = ("reward_mean", "success_rate", "staleness_mean", "train_tokens_per_s")
-    print(" ".join(f"{k}={summary[k]:.3g}" for k in keys if k in summary))
-    if summary.get("held_out"):
-        print(summary["held_out"])
-    print(f"final model: {summary.get('final_model')}")
-    print(f"run directory: {cfg.train.output_dir} ({view_hint(cfg.train.output_dir)})")
+    refuse_existing_run(cfg, bool(resume))  # before its log: a refused directory is left as it is
+    with run_log(out):  # what this prints goes to RUN_DIR/train.log too
+        print(view_hint(out), flush=True)
+        summary = train(cfg, resume=bool(resume), quiet=args.quiet)
+        keys = ("reward_mean", "success_rate", "staleness_mean", "train_tokens_per_s")
+        print(" ".join(f"{k}={summary[k]:.3g}" for k in keys if k in summary))
+        if summary.get("stopped_by_request"):
+            state = read_run_state(out)
+            step = state.step if state is not None else "?"
+            print(
+                f"stopped after step {step} (areal-agent stop); continue it with: "
+                f"areal-agent train --resume {out}"
+            )
+            return 0
+        if summary.get("held_out"):
+            print(summary["held_out"])
+        print(f"final model: {summary.get('final_model')}")
+        print(f"run directory: {out} ({view_hint(out)})")
     return 0
+
+
+def _run_config(run: Path) -> str:
+    """``RUN/config.yaml``, the resolved config the run wrote, for ``--resume RUN``."""
+    path = run / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            f"--resume {run}: it has no config.yaml (not a run of areal-agent train?); "
+            "pass the run's config too: --config FILE --resume RUN"
+        )
+    return str(path)
+
+
+def _refuse_running(out: str) -> None:
+    """A ConfigError when the run in ``out`` is still running (two trainers in one directory
+    would overwrite each other's checkpoints)."""
+    state = read_run_state(out)
+    if state is None or state.effective().status != "running":
+        return
+    raise ConfigError(
+        f"{out} is running (pid {state.pid} on {state.host}): stop it first with "
+        f"`areal-agent stop {out}` (if it is not running, delete {Path(out) / FILE})"
+    )
 
 
 def engine_overrides(args: argparse.Namespace) -> list[str]:

@@ -103,6 +103,8 @@ from areal_agents.serve.chat import ChatTokenizer
 
 INSTALL_HINT = "pip install 'areal-agents[ray]'"
 _MAX_ROUTES = 8192  # sessions remembered for sticky routing (least recently used dropped)
+FORWARDED_ENV = ("OMP_WAIT_POLICY",)
+"""Environment variables :func:`connect` passes to the job's Ray workers."""
 
 
 class RayNotInstalled(UserError, ImportError):
@@ -135,8 +137,11 @@ def connect(address: str | None = None) -> bool:
     if ray.is_initialized():
         return False
     _check_reachable(address or os.environ.get("RAY_ADDRESS"))
+    # every worker of this job gets them, also on a cluster that `ray start` began elsewhere,
+    # whose processes do not inherit this one's environment (the CLI sets OMP_WAIT_POLICY)
+    env_vars = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
     try:
-        ray.init(address=address)
+        ray.init(address=address, runtime_env={"env_vars": env_vars} if env_vars else None)
     except ConnectionError as exc:
         raise ClusterError(
             f"cannot reach the Ray cluster at {address or os.environ.get('RAY_ADDRESS')!r}: "

@@ -1,7 +1,9 @@
-"""A user-written environment: register it, check it, evaluate a model on it, play it.
+"""A user-written environment: check it, evaluate a model on it, play it.
 
 The agent must find the secret word of the day by calling ``lookup_word``, then say it.
-Run: ``python examples/agents/custom_env.py --episodes 4`` (0 episodes: no evaluation)
+Run: ``python examples/agents/custom_env.py --episodes 4`` (0 episodes: no evaluation).
+Its id from the shell is ``custom_env:SecretWordEnv``, with this folder on PYTHONPATH:
+``PYTHONPATH=examples/agents areal-agent train env.id=custom_env:SecretWordEnv ...``
 """
 
 import argparse
@@ -22,6 +24,9 @@ class SecretWordEnv(envs.AgentEnv):
 
     WORDS = ("apple", "river", "stone", "cloud")
 
+    def __init__(self, max_turns=3):
+        super().__init__(max_turns=max_turns)
+
     def _start(self, options):
         index = options.get("task_index", int(self.np_random.integers(len(self.WORDS))))
         self.word = self.WORDS[index]
@@ -38,16 +43,14 @@ class SecretWordEnv(envs.AgentEnv):
         return float(success), {"success": success}
 
 
-envs.register("demo/SecretWord-v0", SecretWordEnv, kwargs={"max_turns": 3}, override=True)
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=0, help="evaluate the default model")
     episodes = parser.parse_args().episodes
-    env = envs.make("demo/SecretWord-v0")
+    env = SecretWordEnv()
     envs.check_env(env)  # seeding, tools, rewards, termination and score
-    if episodes > 0:  # `areal-agent eval`, run in this process (where the env is registered)
-        argv = ["eval", "--env", "demo/SecretWord-v0", "--episodes", str(episodes)]
+    if episodes > 0:  # `areal-agent eval --env custom_env:SecretWordEnv` (the CLI imports it)
+        argv = ["eval", "--env", "custom_env:SecretWordEnv", "--episodes", str(episodes)]
         cli.main([*argv, "--max-tokens", "48"])  # the default model, offline
     env.reset(seed=0)  # a scripted episode: call the tool, read the word, say it
     call = {"id": "c1", "function": {"name": "lookup_word", "arguments": '{"day": "Monday"}'}}

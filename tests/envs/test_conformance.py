@@ -3,7 +3,6 @@ are caught."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -35,12 +34,9 @@ def test_check_env_accepts_an_id():
     check_env("areal/Calculator-v0")
 
 
-def test_example_env_registers_and_passes_check_env():
-    spec = importlib.util.spec_from_file_location("custom_env_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    check_env(envs.make("demo/SecretWord-v0"))
+def test_example_env_is_made_from_its_module_and_passes_check_env(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))  # as PYTHONPATH=examples/agents does
+    check_env(envs.make("custom_env:SecretWordEnv"))
     assert len(EXAMPLE.read_text().splitlines()) < 60
 
 
