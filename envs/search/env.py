@@ -9,7 +9,12 @@ It ends the episode with an assistant message without tool calls whose final ans
 written as ``Answer: X`` (or ``\\boxed{X}``; a message with neither counts as the answer
 in full). The reward is the exact match of the normalized answer (``reward="em"``) or its
 token F1 (``reward="f1"``) against the accepted aliases; tool turns earn
-``turn_reward`` (0 by default).
+``turn_reward`` (0 by default) plus ``evidence_reward`` for each gold document they open for
+the first time (0 by default; see below)::
+
+    r_turn = turn_reward + evidence_reward * |newly opened gold documents|
+
+so an episode's evidence earns at most ``hops * evidence_reward``, however often it opens.
 
 **Evidence.** A question's gold ``chain`` is the documents to read, in order (one per hop:
 the last states the answer). The reset info gives ``hops`` and ``kind`` = ``"<hops>-hop"``
@@ -95,6 +100,8 @@ class SearchEnv(AgentEnv):
         top_k: number of search results.
         reward: ``"em"`` (exact match) or ``"f1"`` (token F1) for the final answer.
         turn_reward: reward of each turn that calls tools.
+        evidence_reward: reward of a tool turn per gold document it opens for the first
+            time (a step-level signal along the gold chain; bounded by ``hops`` times it).
         max_doc_chars: ``open`` cuts documents after this many characters.
         max_turns: the episode is truncated after this many assistant messages.
     """
@@ -114,6 +121,7 @@ class SearchEnv(AgentEnv):
         top_k: int = 5,
         reward: Literal["em", "f1"] = "em",
         turn_reward: float = 0.0,
+        evidence_reward: float = 0.0,
         max_doc_chars: int = 4000,
         max_turns: int = 10,
     ) -> None:
@@ -130,6 +138,7 @@ class SearchEnv(AgentEnv):
         self.retriever = _make_retriever(retriever, documents)
         self.reward_kind = reward
         self.turn_reward = float(turn_reward)
+        self.evidence_reward = float(evidence_reward)
         self.top_k = top_k
         self.max_doc_chars = max_doc_chars
         self.task: QAExample | None = None
@@ -241,6 +250,7 @@ class SearchEnv(AgentEnv):
         return self.tasks[int(self.np_random.integers(len(self.tasks)))]
 
     def _tool_reward(self, message: Message, records: list[dict[str, Any]]) -> float:
+        before = len(self._opened)
         calls = {
             c.get("id"): c for c in (message.get("tool_calls") or []) if isinstance(c, Mapping)
         }
@@ -250,7 +260,9 @@ class SearchEnv(AgentEnv):
             doc_id = self._opened_id(calls.get(record["tool_call_id"]))
             if doc_id is not None and doc_id not in self._opened:
                 self._opened.append(doc_id)
-        return self.turn_reward
+        chain = self.task.chain if self.task is not None else ()
+        new_gold = sum(d in chain for d in self._opened[before:])
+        return self.turn_reward + self.evidence_reward * new_gold
 
     def _tool_info(self, message: Message, records: list[dict[str, Any]]) -> dict[str, Any]:
         assert self.task is not None
@@ -307,7 +319,7 @@ class SearchEnv(AgentEnv):
         answer to the current task (or, before any reset, the task whose question is the
         first user message). The documents it opened are replayed from its ``open`` calls
         (for ``grounded``), and its tool turns' ``turn_reward`` is ``info["tool_rewards"]``."""
-        task = self.task or self._task_for(messages)
+        task = self.task = self.task or self._task_for(messages)  # the replay's evidence
         self._opened = []
         tool_rewards = self.tool_turn_rewards(messages)
         finals = [

@@ -168,9 +168,9 @@ class ResearchEnv(SearchEnv):
             top_k=top_k,
             max_doc_chars=max_doc_chars,
             max_turns=max_turns,
+            evidence_reward=evidence_reward,
         )
         self.kb = kb
-        self.evidence_reward = float(evidence_reward)
         self.grounded = bool(grounded)
         self.max_answer_words = max_answer_words
         self._names = {_key(e.name): e.name for e in kb.entities.values()}
@@ -203,13 +203,6 @@ class ResearchEnv(SearchEnv):
     def _state_key(self) -> str:
         assert self.task is not None
         return f"{self.task.id}:{','.join(sorted(self._opened))}"
-
-    def _tool_reward(self, message: Message, records: list[dict[str, Any]]) -> float:
-        assert isinstance(self.task, ResearchTask)
-        before = len(self._opened)
-        super()._tool_reward(message, records)  # records the documents opened
-        new_gold = sum(d in self.task.chain for d in self._opened[before:])
-        return self.evidence_reward * new_gold
 
     def _tool_info(self, message: Message, records: list[dict[str, Any]]) -> dict[str, Any]:
         return {"state_key": self._state_key(), "documents_opened": len(self._opened)}
@@ -258,10 +251,7 @@ class ResearchEnv(SearchEnv):
             m.get("role") == "user" and m.get("content") == self.task.question for m in messages
         ):
             self.task = self._task_for(messages)
-        self._opened = []
-        tool_rewards = self.tool_turn_rewards(messages)
-        reward, info = super().score(messages)
-        return reward, {**info, "tool_rewards": tool_rewards}
+        return super().score(messages)
 
     def _grade(self, content: str | None, task: QAExample) -> tuple[float, dict[str, Any]]:
         assert isinstance(task, ResearchTask)

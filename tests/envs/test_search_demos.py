@@ -188,3 +188,28 @@ def test_evaluation_reports_grounded_success_and_success_per_hop_count(env: Sear
     assert report.grounded_success_rate == pytest.approx(1 / 3)
     assert report.by_kind == {"1-hop": 1.0, "2-hop": 0.5}
     assert "grounded success" in report.table()
+
+
+def test_evidence_reward_pays_each_gold_document_once_by_hand() -> None:
+    """r_turn = turn_reward + evidence_reward * |newly opened gold documents|: a 2-hop
+    episode with turn_reward -0.01 and evidence_reward 0.25 that opens gold 1, gold 1 again,
+    a wrong document, then gold 2, earns -0.01 + 0.25, -0.01, -0.01, -0.01 + 0.25, then 1."""
+    env = SearchEnv(**KWARGS, turn_reward=-0.01, evidence_reward=0.25)
+    task = next(t for t in env.tasks if t.hops == 2)
+    other = next(d for d in env.retriever.documents if d.id not in task.chain)
+    env.reset(options={"task_id": task.id})
+    opens = [task.chain[0], task.chain[0], other.id, task.chain[1]]
+    rewards = [env.step(_call(i, "open", doc=doc))[1] for i, doc in enumerate(opens)]
+    assert rewards == pytest.approx([0.24, -0.01, -0.01, 0.24])
+    _, final, terminated, _, info = env.step(f"Answer: {task.answers[0]}")
+    assert terminated and final == 1.0 and info["grounded"] is True
+    # the same conversation scored as an agent's own: the same turn rewards
+    messages = [{"role": "user", "content": task.question}]
+    for i, doc in enumerate(opens):
+        messages += [_call(i, "open", doc=doc), {"role": "tool", "tool_call_id": f"call_{i}"}]
+    messages.append({"role": "assistant", "content": f"Answer: {task.answers[0]}"})
+    score, score_info = SearchEnv(**KWARGS, turn_reward=-0.01, evidence_reward=0.25).score(messages)
+    assert score == 1.0 and score_info["grounded"] is True
+    assert score_info["tool_rewards"] == pytest.approx(
+        {"call_0": 0.24, "call_1": -0.01, "call_2": -0.01, "call_3": 0.24}
+    )
