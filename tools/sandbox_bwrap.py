@@ -235,8 +235,8 @@ _warned = False
 
 
 def _warn_weaker(seccomp: bool, cgroup: bool, file_limit: bool) -> None:
-    """Log once what this machine's sandbox does not bound (see the README's sandbox
-    section)."""
+    """Log once what this machine's sandbox does not bound (see docs/envs.md, "The Python
+    sandbox")."""
     global _warned
     gaps = []
     if not cgroup:
