@@ -58,6 +58,7 @@ __all__ = [
     "STOP_FILE",
     "RunState",
     "RunStateWriter",
+    "claim_run_dir",
     "clear_stop_request",
     "find_run_dir",
     "pid_alive",
@@ -75,6 +76,29 @@ STOP_FILE = "stop"
 LOG_FILE = "train.log"
 STATUSES = ("running", "finished", "failed", "stopped")
 REASONS = ("steps_done", "time_limit", "stopped", "failed")
+
+
+def claim_run_dir(path: str | Path, *, resume: bool, if_exists: str = "refuse") -> Path:
+    """The directory a run of ``train.output_dir`` = ``path`` writes to. A resume, or a
+    directory without checkpoints, is ``path`` itself. Otherwise ``if_exists="refuse"`` is a
+    ``ConfigError`` naming the two ways on, and ``"new"`` the first of ``path-2``,
+    ``path-3``, ... that holds no run (neither checkpoints nor a ``run.json``)."""
+    out = Path(path)
+    if resume or not (out / "checkpoints").exists():
+        return out
+    if if_exists == "new":
+        n = 2
+        while _holds_run(Path(f"{out}-{n}")):
+            n += 1
+        return Path(f"{out}-{n}")
+    raise ConfigError(
+        f"{out} already holds a run; pass --resume to continue it, set train.output_dir to a "
+        "new directory, or train.if_exists=new to write to the next free one"
+    )
+
+
+def _holds_run(path: Path) -> bool:
+    return (path / "checkpoints").exists() or (path / FILE).exists()
 
 
 def pid_alive(pid: int) -> bool:

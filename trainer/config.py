@@ -277,6 +277,10 @@ class RunConfig(Checked):
     """Seed of everything random in the run."""
     output_dir: str = "runs/default"
     """Where checkpoints, metrics and the resolved config are written."""
+    if_exists: Literal["refuse", "new"] = "refuse"
+    """When ``output_dir`` already holds a run and this is no resume: refuse (name
+    ``--resume`` and a new directory), or new: write to the first of ``output_dir-2``,
+    ``-3``, ... that holds none (a run = checkpoints or a run.json)."""
     save_every: int = 50
     """Checkpoint every this many steps (and at the end); 0 = only at the end."""
     time_limit_min: float | None = None

@@ -81,7 +81,7 @@ from areal_agents.trainer.checkpoint import (
     save_checkpoint,
 )
 from areal_agents.trainer.config import LossConfig, TrainConfig
-from areal_agents.trainer.config_io import dump_yaml
+from areal_agents.trainer.config_io import claim_output_dir, dump_yaml
 from areal_agents.trainer.critic import Critic
 from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy, RayRanks, launch
 from areal_agents.trainer.engine_build import check_lora_targets, first_sync
@@ -141,7 +141,8 @@ class Trainer:
         )
         self.out = Path(cfg.train.output_dir)
         self.resume = resume or cfg.train.resume
-        refuse_existing_run(cfg, self.resume)
+        if claim_output_dir(cfg, self.resume) is not cfg:  # train() and the CLI claim it first
+            raise ConfigError(f"{cfg.train.output_dir} already holds a run; see train.if_exists")
         self.out.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, self.out / "config.yaml")
         self._fills: list[Update] = []  # the last batch's updates still to repeat (fill_passes)
@@ -747,16 +748,6 @@ def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:
     return dataclasses.replace(spec, loss=loss, advantage=adv)
 
 
-def refuse_existing_run(cfg: TrainConfig, resume: bool) -> None:
-    """A ConfigError when ``train.output_dir`` already holds a run and this is no resume."""
-    out = Path(cfg.train.output_dir)
-    if not (resume or cfg.train.resume) and (out / "checkpoints").exists():
-        raise ConfigError(
-            f"{out} already holds a run; pass --resume to continue it "
-            "or set train.output_dir to a new directory"
-        )
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -767,7 +758,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dic
     trainer (``train.nproc > 1`` or ``train.fsdp``) runs on ranks that
     ``areal_agents.trainer.distributed.launch`` starts, or on Ray actors (``RayRanks``) with
     ``scheduler: ray``."""
-    refuse_existing_run(cfg, resume)  # before run.json: a refused directory keeps its own
+    cfg = claim_output_dir(cfg, resume)  # before run.json: a refused directory keeps its own
     run_file.clear_stop_request(cfg.train.output_dir)  # it was for the run's last start
     with run_file.run_log(cfg.train.output_dir):  # RUN_DIR/train.log
         writer = run_file.RunStateWriter(cfg.train.output_dir, target_steps=cfg.train.steps)

@@ -18,7 +18,7 @@ from areal_agents.model import resolve_model
 from areal_agents.rollout.observe import observe_prompt
 from areal_agents.run_state import FILE, find_run_dir, read_run_state, run_log
 from areal_agents.serve.chat import ChatTokenizer
-from areal_agents.trainer.config_io import format_config, load_config
+from areal_agents.trainer.config_io import claim_output_dir, format_config, load_config
 from areal_agents.trainer.memory import estimate_for_config
 
 __all__ = ["demos_command", "train_command"]
@@ -47,16 +47,15 @@ def train_command(args: argparse.Namespace) -> int:
                 "override (or resume that directory instead)"
             )
         overrides.append(f"train.output_dir={json.dumps(str(run))}")
-    cfg = load_config(config, overrides)
+    cfg = claim_output_dir(load_config(config, overrides), bool(resume))  # train.if_exists
     if args.dry_run:
         print(format_config(cfg))
         print(f"# estimated training memory per rank:\n{estimate_for_config(cfg).format()}")
         return 0
+    from areal_agents.trainer.loop import train  # noqa: PLC0415  loads torch to train
+
     out = cfg.train.output_dir
     _refuse_running(out)
-    from areal_agents.trainer.loop import refuse_existing_run, train  # noqa: PLC0415  loads torch to train
-
-    refuse_existing_run(cfg, bool(resume))  # before its log: a refused directory is left as it is
     with run_log(out):  # what this prints goes to RUN_DIR/train.log too
         print(view_hint(out), flush=True)
         summary = train(cfg, resume=bool(resume), quiet=args.quiet)
