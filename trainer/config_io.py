@@ -24,7 +24,6 @@ from typing import Any, Literal
 import yaml
 
 from areal_agents.errors import ConfigError
-from areal_agents.run_state import claim_run_dir
 from areal_agents.trainer.config import TrainConfig
 from areal_agents.trainer.config_checks import (
     CORE_KEYS,
@@ -276,14 +275,3 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + key] = value
     return out
-
-
-def claim_output_dir(cfg: TrainConfig, resume: bool) -> TrainConfig:
-    """``cfg`` with the directory it may write to (``run_state.claim_run_dir``): its own, or
-    with ``train.if_exists=new`` the next free one; a ConfigError when it holds a run and
-    this is no resume."""
-    t = cfg.train
-    out = claim_run_dir(t.output_dir, resume=resume or t.resume, if_exists=t.if_exists)
-    if str(out) == t.output_dir:
-        return cfg
-    return dataclasses.replace(cfg, train=dataclasses.replace(t, output_dir=str(out)))

@@ -81,7 +81,7 @@ from areal_agents.trainer.checkpoint import (
     save_checkpoint,
 )
 from areal_agents.trainer.config import LossConfig, TrainConfig
-from areal_agents.trainer.config_io import claim_output_dir, dump_yaml
+from areal_agents.trainer.config_io import dump_yaml
 from areal_agents.trainer.critic import Critic
 from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy, RayRanks, launch
 from areal_agents.trainer.engine_build import check_lora_targets, first_sync
@@ -90,6 +90,7 @@ from areal_agents.trainer.metrics import MetricsWriter
 from areal_agents.trainer.policy import Policy
 from areal_agents.trainer.rollout import Group
 from areal_agents.trainer.rollout_build import build_rollout
+from areal_agents.trainer.run_dir import claim_output_dir
 from areal_agents.trainer.schedule import LrSchedule
 from areal_agents.trainer.sft import demo_tools, load_demos, load_episode_samples, run_sft
 from areal_agents.trainer.step import Update, apply_update, record_train_tokens, train_on_batch

@@ -18,8 +18,9 @@ from areal_agents.model import resolve_model
 from areal_agents.rollout.observe import observe_prompt
 from areal_agents.run_state import FILE, find_run_dir, read_run_state, run_log
 from areal_agents.serve.chat import ChatTokenizer
-from areal_agents.trainer.config_io import claim_output_dir, format_config, load_config
+from areal_agents.trainer.config_io import format_config, load_config
 from areal_agents.trainer.memory import estimate_for_config
+from areal_agents.trainer.run_dir import claim_output_dir
 
 __all__ = ["demos_command", "train_command"]
 
