@@ -86,6 +86,7 @@ train:
   steps: 40
   seed: 3
   output_dir: runs/tau2
+  if_exists: new
   save_every: 10
   time_limit_min: 30
   resume: true
@@ -162,6 +163,7 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
         "token",
     )
     assert cfg.train.resume is True and cfg.train.output_dir == "runs/tau2"
+    assert cfg.train.if_exists == "new"
     assert cfg.train.share_prefixes is False and cfg.train.minibatches == 2
     assert cfg.train.epochs == 2
     assert cfg.train.fill_passes == 1
