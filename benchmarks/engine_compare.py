@@ -37,7 +37,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,6 +172,29 @@ def client_on(cores: Sequence[int]) -> None:
     os.sched_setaffinity(0, set(cores))
 
 
+async def time_levels(
+    engine: str,
+    work: Workload,
+    batch: Callable[[list[list[int]], int], Awaitable[int]],
+    new_tokens: int,
+    warm_tokens: int,
+    say: Callable[[str], None],
+) -> list[Result]:
+    """One warm-up batch, then each concurrency level's timed batches: output tokens/s of
+    each (``batch(prompts, n)`` returns the tokens it generated)."""
+    await batch(work.warmup, warm_tokens)
+    results = []
+    for c, batches in work.timed.items():
+        res = Result(engine, c)
+        for prompts in batches:
+            start = time.perf_counter()
+            made = await batch(prompts, new_tokens)
+            res.rates.append(made / (time.perf_counter() - start))
+        say(f"  {LABELS[engine]}, {c} concurrent: {res.rate:.1f} tok/s")
+        results.append(res)
+    return results
+
+
 def load_model(path: str, dtype: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
@@ -199,7 +222,7 @@ def run_hf(
         eos = cfg.eos_token_id
         pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
 
-    def batch(prompts: list[list[int]], n: int) -> int:
+    async def batch(prompts: list[list[int]], n: int) -> int:
         ids, mask = left_pad(prompts, int(pad))
         inputs = torch.tensor(ids)
         out = model.generate(
@@ -215,19 +238,9 @@ def run_hf(
         )
         return int(out.shape[0] * (out.shape[1] - inputs.shape[1]))
 
-    results = []
     torch.manual_seed(0)
     with torch.inference_mode():
-        batch(work.warmup, warm_tokens)
-        for c, batches in work.timed.items():
-            res = Result("hf", c)
-            for prompts in batches:
-                start = time.perf_counter()
-                made = batch(prompts, new_tokens)
-                res.rates.append(made / (time.perf_counter() - start))
-            say(f"  {LABELS['hf']}, {c} concurrent: {res.rate:.1f} tok/s")
-            results.append(res)
-    return results
+        return asyncio.run(time_levels("hf", work, batch, new_tokens, warm_tokens, say))
 
 
 def run_embedded(
@@ -261,17 +274,7 @@ def run_embedded(
 
     async def run() -> list[Result]:
         try:
-            await batch(work.warmup, warm_tokens)
-            results = []
-            for c, batches in work.timed.items():
-                res = Result("embedded", c)
-                for prompts in batches:
-                    start = time.perf_counter()
-                    made = await batch(prompts, new_tokens)
-                    res.rates.append(made / (time.perf_counter() - start))
-                say(f"  {LABELS['embedded']}, {c} concurrent: {res.rate:.1f} tok/s")
-                results.append(res)
-            return results
+            return await time_levels("embedded", work, batch, new_tokens, warm_tokens, say)
         finally:
             await engine.close()
 
@@ -353,17 +356,11 @@ def run_vllm(
         async def run() -> list[Result]:
             limits = httpx.Limits(max_connections=max(levels) + 4)
             async with httpx.AsyncClient(base_url=url, timeout=1800.0, limits=limits) as http:
-                await batch(http, work.warmup, warm_tokens)
-                results = []
-                for c, batches in work.timed.items():
-                    res = Result("vllm", c)
-                    for prompts in batches:
-                        start = time.perf_counter()
-                        made = await batch(http, prompts, new_tokens)
-                        res.rates.append(made / (time.perf_counter() - start))
-                    say(f"  {LABELS['vllm']}, {c} concurrent: {res.rate:.1f} tok/s")
-                    results.append(res)
-                return results
+
+                async def sent(prompts: list[list[int]], n: int) -> int:
+                    return await batch(http, prompts, n)
+
+                return await time_levels("vllm", work, sent, new_tokens, warm_tokens, say)
 
         return asyncio.run(run())
     finally:
