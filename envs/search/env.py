@@ -15,6 +15,11 @@ the first time (0 by default; see below)::
     r_turn = turn_reward + evidence_reward * |newly opened gold documents|
 
 so an episode's evidence earns at most ``hops * evidence_reward``, however often it opens.
+With ``evidence_needs_answer`` only an episode that answers keeps it: the tool turn that
+runs out of turns (``max_turns``) also takes back what the episode's evidence earned, so
+its return is 0 (plus ``turn_reward``s), and :meth:`SearchEnv.score` gives a conversation
+without an answer no tool rewards. An agent then cannot collect evidence by opening
+documents until the turns run out instead of answering.
 
 **Evidence.** A question's gold ``chain`` is the documents to read, in order (one per hop:
 the last states the answer). The reset info gives ``hops`` and ``kind`` = ``"<hops>-hop"``
@@ -102,6 +107,8 @@ class SearchEnv(AgentEnv):
         turn_reward: reward of each turn that calls tools.
         evidence_reward: reward of a tool turn per gold document it opens for the first
             time (a step-level signal along the gold chain; bounded by ``hops`` times it).
+        evidence_needs_answer: an episode that ends without an answer (out of turns) gives
+            its evidence back on its last turn (see the module docstring).
         max_doc_chars: ``open`` cuts documents after this many characters.
         max_turns: the episode is truncated after this many assistant messages.
     """
@@ -122,6 +129,7 @@ class SearchEnv(AgentEnv):
         reward: Literal["em", "f1"] = "em",
         turn_reward: float = 0.0,
         evidence_reward: float = 0.0,
+        evidence_needs_answer: bool = False,
         max_doc_chars: int = 4000,
         max_turns: int = 10,
     ) -> None:
@@ -139,6 +147,7 @@ class SearchEnv(AgentEnv):
         self.reward_kind = reward
         self.turn_reward = float(turn_reward)
         self.evidence_reward = float(evidence_reward)
+        self.evidence_needs_answer = bool(evidence_needs_answer)
         self.top_k = top_k
         self.max_doc_chars = max_doc_chars
         self.task: QAExample | None = None
@@ -264,6 +273,17 @@ class SearchEnv(AgentEnv):
         new_gold = sum(d in chain for d in self._opened[before:])
         return self.turn_reward + self.evidence_reward * new_gold
 
+    def step(
+        self, action: Message | str
+    ) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+        """:meth:`AgentEnv.step`; with ``evidence_needs_answer``, the turn that runs out of
+        turns gives back what the episode's evidence earned (the module docstring)."""
+        new, reward, terminated, truncated, info = super().step(action)
+        if truncated and self.evidence_needs_answer and self.task is not None:
+            gold = sum(d in self.task.chain for d in self._opened)
+            reward -= self.evidence_reward * gold
+        return new, reward, terminated, truncated, info
+
     def _tool_info(self, message: Message, records: list[dict[str, Any]]) -> dict[str, Any]:
         assert self.task is not None
         return {"gold_documents": list(self.task.chain), "opened_documents": list(self._opened)}
@@ -330,6 +350,8 @@ class SearchEnv(AgentEnv):
         if not finals:  # no answer: graded as an empty one, worth nothing
             _, info = self._grade(None, task)
             info = {**info, "success": False, "final_reward": 0.0, "predicted": None}
+            if self.evidence_needs_answer:  # evidence is kept by an episode that answers
+                tool_rewards = {k: self.turn_reward for k in tool_rewards if self.turn_reward}
             return 0.0, {**info, "tool_rewards": tool_rewards}
         reward, info = self._grade(finals[-1].get("content"), task)
         return reward, {**info, "tool_rewards": tool_rewards}

@@ -213,3 +213,30 @@ def test_evidence_reward_pays_each_gold_document_once_by_hand() -> None:
     assert score_info["tool_rewards"] == pytest.approx(
         {"call_0": 0.24, "call_1": -0.01, "call_2": -0.01, "call_3": 0.24}
     )
+
+
+def test_evidence_needs_an_answer_by_hand() -> None:
+    """With evidence_needs_answer, a 2-hop episode that opens both gold documents and runs
+    out of turns (max_turns 3) earns 0.25, 0.25, then -0.5 on the turn that ran out: a
+    return of 0, the same as answering wrong at once. One that answers keeps its 0.5."""
+    kwargs = {**KWARGS, "evidence_reward": 0.25, "evidence_needs_answer": True, "max_turns": 3}
+    env = SearchEnv(**kwargs)
+    task = next(t for t in env.tasks if t.hops == 2)
+    env.reset(options={"task_id": task.id})
+    rewards = [env.step(_call(i, "open", doc=doc))[1] for i, doc in enumerate(task.chain)]
+    *_, truncated, _ = last = env.step(_call(2, "search", query="more"))
+    assert [*rewards, last[1]] == pytest.approx([0.25, 0.25, -0.5]) and truncated
+    env.reset(options={"task_id": task.id})
+    kept = [env.step(_call(i, "open", doc=doc))[1] for i, doc in enumerate(task.chain)]
+    _, final, terminated, _, _ = env.step("Answer: nowhere")
+    assert sum(kept) == pytest.approx(0.5) and terminated and final == 0.0
+    # scored as an agent's own conversation: no answer, no tool rewards
+    messages = [{"role": "user", "content": task.question}]
+    for i, doc in enumerate(task.chain):
+        messages += [_call(i, "open", doc=doc), {"role": "tool", "tool_call_id": f"call_{i}"}]
+    score, info = SearchEnv(**kwargs).score(messages)
+    assert score == 0.0 and info["tool_rewards"] == {}
+    answered = [*messages, {"role": "assistant", "content": "Answer: nowhere"}]
+    assert SearchEnv(**kwargs).score(answered)[1]["tool_rewards"] == pytest.approx(
+        {"call_0": 0.25, "call_1": 0.25}
+    )
