@@ -44,7 +44,7 @@ from areal_agents.envs.math.env import CalculatorEnv  # noqa: E402
 from areal_agents.envs.registry import register  # noqa: E402
 from areal_agents.tools.tool import Tool  # noqa: E402
 from areal_agents.trainer.config import TrainConfig  # noqa: E402
-from areal_agents.trainer.loop import Trainer  # noqa: E402
+from areal_agents.trainer.loop import StepMetrics, Trainer  # noqa: E402
 
 SLOW_ENV_ID = "bench/SlowCalculator-v0"
 ARITHMETIC_ENV_ID = "bench/Arithmetic-v0"
@@ -246,15 +246,19 @@ class TimedTrainer(Trainer):
         self.t_start, self.cpu_start = time.perf_counter(), time.process_time()
         self.cores_start = core_busy_s()
 
-    async def _train_step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def _train_step(self, *args: Any, **kwargs: Any) -> StepMetrics:
         got = args[0] if args else kwargs["got"]
-        stats = await super()._train_step(*args, **kwargs)
+        step = await super()._train_step(*args, **kwargs)
         self.step_ends.append(time.perf_counter())
         self.cpu_ends.append(time.process_time())
         self.cores_end = core_busy_s()
-        self.step_stats.append(stats)
         self.episodes_per_step.append(sum(len(eps) for _, eps in got))
-        return stats
+        return step
+
+    async def _publish(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        scalars = await super()._publish(*args, **kwargs)
+        self.step_stats.append(scalars)  # the step's metrics as logged (weight sync, time/*)
+        return scalars
 
     def engine_stats(self) -> dict[str, int]:
         """The engine's counters (requests, prefills, decode steps, output tokens)."""

@@ -65,15 +65,14 @@ def _episodes(groups: int, size: int, prompt_len: int, out_len: int) -> list[Any
 
 def _time_steps(policy: Any, episodes: list[Any], cfg: Any, steps: int) -> dict[str, float]:
     from areal_agents.trainer.batch import build_batch
-    from areal_agents.trainer.loop import _algorithm
     from areal_agents.trainer.step import train_on_batch
 
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     times, tokens = [], 0.0
     for version in range(steps + 1):
-        batch, bstats = build_batch(episodes, spec, 1.0, cfg.sampling.max_new_tokens, 1.0)
+        batch, _ = build_batch(episodes, spec, 1.0, cfg.sampling.max_new_tokens, 1.0)
         t0 = time.perf_counter()
-        stats = train_on_batch(policy, None, batch, bstats, spec, cfg, version)
+        stats = train_on_batch(policy, None, batch, spec, cfg, version).stats
         if version:  # the first step warms up
             times.append(time.perf_counter() - t0)
             tokens = float(stats["tokens"])
@@ -91,7 +90,7 @@ def _config(model: str, lora: bool) -> Any:
 def _rank(data_path: str, out_path: str) -> None:
     from areal_agents.trainer import fsdp
     from areal_agents.trainer.distributed import DistributedPolicy, Ranks, _die_with_parent, serve
-    from areal_agents.trainer.loop import _algorithm, model_kwargs
+    from areal_agents.trainer.model_build import model_kwargs
 
     _die_with_parent()
     torch.set_num_threads(1)
@@ -103,7 +102,7 @@ def _rank(data_path: str, out_path: str) -> None:
             return
         ranks = Ranks(seed=0)
         cfg = _config(data["model"], data["lora"])
-        kw, _ = model_kwargs(cfg, _algorithm(cfg), data["model"])
+        kw, _ = model_kwargs(cfg, cfg.algorithm_spec(), data["model"])
         policy = DistributedPolicy(ranks, ranks.build("policy", "policy", kw))
         result = _time_steps(policy, data["episodes"], cfg, data["steps"])
         ranks.stop()
@@ -115,7 +114,7 @@ def _rank(data_path: str, out_path: str) -> None:
 def main() -> None:
     from areal_agents.model import DEFAULT_MODEL, resolve_model
     from areal_agents.trainer.distributed import run_ranks
-    from areal_agents.trainer.loop import _algorithm, model_kwargs
+    from areal_agents.trainer.model_build import model_kwargs
     from areal_agents.trainer.policy import Policy
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -132,7 +131,7 @@ def main() -> None:
     cfg = _config(model, not args.full)
 
     torch.set_num_threads(2)
-    kw, _ = model_kwargs(cfg, _algorithm(cfg), model)
+    kw, _ = model_kwargs(cfg, cfg.algorithm_spec(), model)
     one = _time_steps(Policy(**kw), episodes, cfg, args.steps)
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,12 +7,16 @@ and logprob helpers, ``areal_agents.trainer.critic`` PPO's value model,
 ``areal_agents.trainer.algorithms`` names the family (GRPO, Dr.GRPO, LitePPO, RLOO, GSPO,
 DAPO, PPO, REINFORCE++, SAPO, M2PO) as configurations of them::
 
-    from areal_agents.trainer import get_algorithm, completion_returns
+    from areal_agents.trainer import (
+        completion_returns, get_algorithm, group_advantages_of, policy_loss,
+    )
 
     spec = get_algorithm("grpo")
     rows = completion_returns(episodes, gamma=1.0)
-    adv = spec.advantage.group(rows.returns, rows.group_ids, rows.episode_ids, rows.roots)
-    loss, stats = spec.loss.policy_loss(logp, behav_logp, prox_logp, token_adv, mask)
+    adv = group_advantages_of(
+        spec.advantage, rows.returns, rows.group_ids, rows.episode_ids, rows.roots
+    )
+    loss, stats = policy_loss(logp, behav_logp, prox_logp, token_adv, mask, spec.loss)
 
 The names below load lazily, so ``import areal_agents.trainer.config`` does not import torch.
 """
@@ -33,8 +37,10 @@ if TYPE_CHECKING:
         filter_uniform_groups,
         gae,
         group_advantages,
+        group_advantages_of,
         overlong_penalty,
         step_group_advantages,
+        step_group_advantages_of,
         step_groups,
         tree_gae,
         turn_gae,
@@ -48,6 +54,7 @@ if TYPE_CHECKING:
         OverlongSpec,
         check_async_correction,
         get_algorithm,
+        resolve,
     )
     from areal_agents.trainer.critic import Critic, gae_inputs
     from areal_agents.trainer.loss import (
@@ -56,6 +63,7 @@ if TYPE_CHECKING:
         entropy_from_logits,
         explained_variance,
         logprobs_from_logits,
+        loss_weights,
         m2po_mask,
         policy_loss,
         value_loss,
@@ -84,11 +92,15 @@ __all__ = [
     "gae_inputs",
     "get_algorithm",
     "group_advantages",
+    "group_advantages_of",
     "logprobs_from_logits",
+    "loss_weights",
     "m2po_mask",
     "overlong_penalty",
     "policy_loss",
+    "resolve",
     "step_group_advantages",
+    "step_group_advantages_of",
     "step_groups",
     "tree_gae",
     "turn_gae",

@@ -46,21 +46,25 @@ import hashlib
 import json
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, get_args
 
 import torch
 from torch import Tensor
 
+from areal_agents.errors import ConfigError
+from areal_agents.trainer.algorithms import (
+    AdvantageSpec,
+    Baseline,
+    Reduce,
+    Scale,
+    StepScale,
+    Weighting,
+)
 from areal_agents.trajectory import SUMMARY_CALL
 
 if TYPE_CHECKING:
     from areal_agents.trajectory import Episode
 
-Baseline = Literal["mean", "rloo", "batch", "none"]
-Scale = Literal["std", "batch_std", "batch_centered_std", "none"]
-Weighting = Literal["episode", "completion", "token"]
-Reduce = Literal["mean", "sum", "sum_norm"]
-StepScale = Literal["std", "none"]
 Ids = Sequence[Hashable] | Tensor
 
 
@@ -367,6 +371,67 @@ def step_group_advantages(
     steps = step_groups(returns, group_ids, state_keys, scale=step_scale, eps=eps)
     adv = episode.to(torch.float64) + omega * steps.advantages
     return adv.to(returns.dtype), steps
+
+
+def group_advantages_of(
+    spec: AdvantageSpec,
+    returns: Tensor,
+    group_ids: Ids,
+    episode_ids: Ids,
+    roots: Tensor | None = None,
+) -> Tensor:
+    """Completion advantages (``group_advantages``) with ``spec``'s baseline, scale and eps:
+    the episode-level advantage A_E of ``step_group`` too.
+
+    Raises:
+        ConfigError: ``spec`` takes its advantages from a critic (gae, turn_gae).
+    """
+    if spec.needs_critic:
+        raise ConfigError(
+            f"advantage.estimator is {spec.estimator!r}: its advantages come from a critic "
+            "(areal_agents.trainer.critic), not from groups"
+        )
+    return group_advantages(
+        returns,
+        group_ids,
+        episode_ids,
+        roots=roots,
+        baseline=spec.baseline,
+        scale=spec.scale,
+        eps=spec.eps,
+    )
+
+
+def step_group_advantages_of(
+    spec: AdvantageSpec,
+    returns: Tensor,
+    group_ids: Ids,
+    episode_ids: Ids,
+    state_keys: Ids,
+    roots: Tensor | None = None,
+) -> tuple[Tensor, StepGroups]:
+    """GiGPO's completion advantages ``A_E + omega * A_S`` (``step_group_advantages``) with
+    ``spec``'s baseline, scale, omega and step scale, and the step groups.
+
+    Raises:
+        ConfigError: ``spec.estimator`` is not ``step_group``.
+    """
+    if spec.estimator != "step_group":
+        raise ConfigError(
+            f"advantage.estimator is {spec.estimator!r}; step groups need 'step_group'"
+        )
+    return step_group_advantages(
+        returns,
+        group_ids,
+        episode_ids,
+        state_keys,
+        roots=roots,
+        baseline=spec.baseline,
+        scale=spec.scale,
+        omega=spec.omega,
+        step_scale=spec.step_scale,
+        eps=spec.eps,
+    )
 
 
 def expand_to_tokens(values: Tensor, token_completion: Tensor) -> Tensor:

@@ -1,31 +1,33 @@
 """Batch math of a training step: training samples with per-token advantages and loss
-weights (``build_batch``), DAPO's overlong penalty, GAE inputs for a critic, the loss
-callbacks ``Policy.train_step`` and ``Critic.train_step`` call per micro-batch, and the
-per-token record of what the loss did (``BatchLoss(record=True)``, ``train_token_rows``)
-for the episode store's ``train_tokens`` table."""
+weights (``build_batch``), DAPO's overlong penalty, mini-batches (``split_batch``) and, for
+a critic, GAE's inputs and targets (``add_gae``). The step that trains on the batch, and
+the losses it hands the policy and the critic, are :mod:`areal_agents.trainer.step`'s."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from areal_agents.trainer.advantage import completion_returns, completion_state_keys
+from areal_agents.trainer.advantage import (
+    completion_returns,
+    completion_state_keys,
+    group_advantages_of,
+    overlong_penalty,
+    step_group_advantages_of,
+)
 from areal_agents.trainer.algorithms import AlgorithmSpec, OverlongSpec
-from areal_agents.trainer.config import TrainConfig
 from areal_agents.trainer.critic import (
     GaeInputs,
-    ValueLoss,
     critic_targets,
     gae_inputs,
     turn_critic_targets,
 )
-from areal_agents.trainer.loss import approx_proximal_logp
+from areal_agents.trainer.loss import loss_weights
 from areal_agents.trajectory import UNMERGEABLE, Completion, Episode, TrainingSample
 
 
@@ -146,15 +148,17 @@ def build_batch(
         adv = torch.zeros_like(rows.returns)
     elif spec.advantage.estimator == "step_group":
         keys = completion_state_keys(episodes)
-        adv, steps = spec.advantage.step_group(
-            rows.returns, rows.group_ids, rows.episode_ids, keys, rows.roots
+        adv, steps = step_group_advantages_of(
+            spec.advantage, rows.returns, rows.group_ids, rows.episode_ids, keys, rows.roots
         )
         step_stats = {
             "adv/step_group_share": steps.share,
             "adv/env_state_share": sum(k.startswith("env:") for k in keys) / max(len(keys), 1),
         }
     else:
-        adv = spec.advantage.group(rows.returns, rows.group_ids, rows.episode_ids, rows.roots)
+        adv = group_advantages_of(
+            spec.advantage, rows.returns, rows.group_ids, rows.episode_ids, rows.roots
+        )
     adv_of = dict(zip(rows.completion_ids, adv.tolist(), strict=True))
     seqs, tcs, sample_eps, sample_groups = [], [], [], []
     out = Batch([], [], [], [], [], [], [], gae=GaeInputs() if spec.needs_critic else None)
@@ -275,7 +279,7 @@ def split_batch(batch: Batch, n: int, spec: AlgorithmSpec, max_tokens: int) -> l
 def _loss_weights(batch: Batch, spec: AlgorithmSpec, max_tokens: int) -> list[torch.Tensor]:
     """Per-sample loss weights normalized over ``batch``'s own samples."""
     tc = _pad(batch.completions, -1).long()
-    w = spec.loss.weights(tc, batch.episode_ids, max_tokens=max_tokens)
+    w = loss_weights(spec.loss, tc, batch.episode_ids, max_tokens=max_tokens)
     return [w[i, : len(t)] for i, t in enumerate(batch.completions)]
 
 
@@ -283,12 +287,13 @@ def apply_overlong(
     episodes: list[Episode], spec: OverlongSpec, max_tokens: int
 ) -> tuple[list[Episode], dict[str, float]]:
     """Copies of ``episodes`` whose completions' rewards include DAPO's soft overlong
-    penalty (``OverlongSpec.penalty`` of each completion's output length); the recorded
+    penalty (``overlong_penalty`` of each completion's output length); the recorded
     episodes are left as they are. Returns the copies and the penalty's metrics."""
     comps = [c for ep in episodes for c in ep.completions]
     if not comps:
         return episodes, {}
-    pens = spec.penalty(torch.tensor([len(c.output_ids) for c in comps]), max_tokens).tolist()
+    lengths = torch.tensor([len(c.output_ids) for c in comps])
+    pens = overlong_penalty(lengths, max_tokens, spec.cache(max_tokens)).tolist()
     it = iter(pens)
     out = []
     for ep in episodes:
@@ -309,18 +314,18 @@ def add_gae(batch: Batch, values: list[torch.Tensor], spec: AlgorithmSpec) -> di
     ``advantage.estimator: turn_gae``, which also sets the value loss's ``value_mask`` and
     ``value_weights``); returns their metrics."""
     assert batch.gae is not None, "build_batch sets batch.gae for a critic algorithm"
+    critic = spec.critic
+    assert critic is not None, "add_gae is for an algorithm with a critic"
     if spec.advantage.estimator == "turn_gae":
         batch.adv, batch.returns, batch.value_mask, stats = turn_critic_targets(
-            batch.gae, values, batch.mask, batch.segments, spec.advantage
+            batch.gae, values, batch.mask, batch.segments, critic
         )
         batch.value_weights = [
             _turn_weights(w, seg, b)
             for w, seg, b in zip(batch.weights, batch.segments, batch.value_mask, strict=True)
         ]
     else:
-        batch.adv, batch.returns, stats = critic_targets(
-            batch.gae, values, batch.mask, spec.advantage
-        )
+        batch.adv, batch.returns, stats = critic_targets(batch.gae, values, batch.mask, critic)
     batch.old_values = values
     return stats
 
@@ -335,190 +340,5 @@ def _turn_weights(
     return out
 
 
-def make_value_loss_fn(batch: Batch, spec: AlgorithmSpec) -> ValueLoss:
-    """The callback ``Critic.train_step`` calls for each micro-batch (after ``add_gae``)."""
-    assert batch.old_values is not None and batch.returns is not None, "call add_gae first"
-    mask = batch.mask if batch.value_mask is None else [m.float() for m in batch.value_mask]
-    weights = batch.weights if batch.value_weights is None else batch.value_weights
-    return ValueLoss(spec.loss, batch.old_values, batch.returns, mask, weights, batch.group_ids)
-
-
 def _pad(xs: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(xs, batch_first=True, padding_value=value)
-
-
-ADDITIVE_STATS = frozenset({"loss", "policy_loss"})
-"""Policy-loss stats that are already batch-weighted sums (the rest are per-token means)."""
-
-
-def make_loss_fn(
-    batch: Batch, spec: AlgorithmSpec, cfg: TrainConfig, version: int, *, record: bool = False
-) -> BatchLoss:
-    """The callback ``Policy.train_step`` calls for each micro-batch (``record``: keep each
-    sample's per-token loss values, see :class:`BatchLoss`)."""
-    return BatchLoss(batch, spec, cfg, version, record)
-
-
-RECORDED = (
-    "advantage",
-    "logp",
-    "prox_logp",
-    "behaviour_weight",
-    "clipped",
-    "behaviour_clipped",
-)
-"""The per-token values of ``policy_loss`` (its ``tokens``) that a record keeps, in the order
-of :attr:`SampleTokens.values`' rows."""
-
-
-@dataclass
-class SampleTokens:
-    """What the loss did with one training sample's tokens (over tokens 1..n-1)."""
-
-    session_id: str
-    completions: list[CompletionRef]
-    segments: torch.Tensor
-    """The index in ``completions`` of each token's completion (-1: not sampled)."""
-    mask: torch.Tensor
-    """The loss mask."""
-    values: torch.Tensor
-    """``[len(RECORDED), n - 1]`` float32: the :data:`RECORDED` values (flags as 0 / 1)."""
-
-
-@dataclass
-class BatchLoss:
-    """The policy loss of ``batch``'s samples as the ``Policy.train_step`` callback:
-    ``(item indices, per-item logprobs, per-item entropies) -> (loss, stats)``. A plain
-    object (not a closure), so that :meth:`select` can send a trainer rank its part.
-
-    With ``record``, each call also keeps, for every sample it sees for the first time, the
-    per-token values ``policy_loss`` computed (:data:`RECORDED`) as a :class:`SampleTokens`
-    in ``records`` (by sample index): what the first mini-batch, micro-batch and epoch that
-    saw the sample trained it with. A training step sees each sample once; a loss called
-    again on the same sample (a second pass) keeps the first record."""
-
-    batch: Batch
-    spec: AlgorithmSpec
-    cfg: TrainConfig
-    version: int
-    record: bool = False
-    records: dict[int, SampleTokens] = dataclasses.field(default_factory=dict)
-
-    @property
-    def group_ids(self) -> list[str]:
-        return self.batch.group_ids
-
-    def select(self, idx: list[int]) -> BatchLoss:
-        """The loss of samples ``idx`` only, with the whole batch's weights and advantages
-        (items then index ``idx``); it records if this one does, starting empty."""
-        return BatchLoss(self.batch.select(idx), self.spec, self.cfg, self.version, self.record)
-
-    def _keep(self, items: list[int], tokens: dict[str, torch.Tensor]) -> None:
-        """Records of the samples among ``items`` not recorded yet (one copy to the CPU)."""
-        new = [k for k, i in enumerate(items) if i not in self.records]
-        if not new:
-            return
-        rows = torch.tensor(new, device=tokens["logp"].device)
-        values = torch.stack([tokens[name].float() for name in RECORDED])[:, rows].cpu()
-        batch = self.batch
-        for j, k in enumerate(new):
-            i = items[k]
-            self.records[i] = SampleTokens(
-                session_id=batch.episode_ids[i],
-                completions=batch.sample_completions[i],
-                segments=batch.completions[i],
-                mask=batch.mask[i],
-                values=values[:, j, : len(batch.mask[i])].clone(),
-            )
-
-    def __call__(
-        self, items: list[int], logps: list[torch.Tensor], ents: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        batch, spec, cfg, version = self.batch, self.spec, self.cfg, self.version
-        logp = _pad(logps)
-        dev = logp.device  # the batch lives on the CPU; the policy may not
-
-        def rows(xs: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
-            return _pad([xs[i] for i in items], value).to(dev)
-
-        mask, behav = rows(batch.mask), rows(batch.behav)
-        extra = {"ref_logp": rows(batch.ref)} if batch.ref is not None else {}
-        if spec.loss.entropy_coef > 0:
-            if not any(e.requires_grad for e in ents):
-                raise ValueError(
-                    "loss.entropy_coef > 0 needs entropies with gradient: call "
-                    "Policy.train_step(..., entropy_grad=True)"
-                )
-            extra["entropy"] = _pad(ents)
-        if cfg.loss.proximal == "recompute":
-            assert batch.prox is not None
-            prox = rows(batch.prox)
-        else:
-            prox = approx_proximal_logp(behav, logp, rows(batch.versions), version + 1, version)
-        tokens: dict[str, torch.Tensor] | None = {} if self.record else None
-        loss, stats = spec.loss.policy_loss(
-            logp,
-            behav,
-            prox,
-            rows(batch.adv),
-            mask,
-            tokens,
-            weights=rows(batch.weights),
-            segment_ids=rows(batch.segments, -1).long(),
-            max_tokens=cfg.sampling.max_new_tokens,
-            **extra,
-        )
-        n = float(mask.sum())
-        # Per-token means become token-weighted sums, so that summing over micro-batches and
-        # dividing by the batch's tokens gives the batch mean (losses already add up).
-        stats = {k: v if k in ADDITIVE_STATS else v * n for k, v in stats.items()}
-        stats["entropy_sum"] = float((_pad(ents) * mask).sum())
-        stats["tokens"] = n
-        if tokens is not None:
-            self._keep(items, tokens)
-        return loss, stats
-
-
-def train_token_rows(
-    records: Iterable[SampleTokens], step: int, version: int
-) -> list[dict[str, Any]]:
-    """The episode store's ``train_tokens`` rows of a training step (``EpisodeStore.
-    put_train_tokens``): one per completion with at least one token in the loss, its
-    arrays aligned with its output tokens. A completion's tokens sit at the end of its
-    sample's positions where ``segments`` names it, so its ``tokens - m`` first outputs
-    (m recorded; more than 0 only for an output token at position 0, which has no
-    logprob) and every token outside the loss mask are NaN, their flags False."""
-    floats = RECORDED.index("clipped")
-    out = []
-    for rec in records:
-        for k, ref in enumerate(rec.completions):
-            pos = (rec.segments == k).nonzero().squeeze(1)
-            keep = rec.mask[pos] > 0
-            if not bool(keep.any()):
-                continue
-            m, n = int(pos.numel()), ref.tokens
-            if m > n:
-                raise ValueError(
-                    f"completion {ref.id!r}: {m} recorded tokens for {n} output tokens"
-                )
-            vals = rec.values[:, pos].double()
-            arr = torch.full((len(RECORDED), n), math.nan, dtype=torch.float64)
-            arr[:, n - m :] = torch.where(keep, vals, torch.full_like(vals, math.nan))
-            flags = arr[floats:] > 0  # NaN > 0 is False
-            row: dict[str, Any] = {
-                "session_id": rec.session_id,
-                "completion_id": ref.id,
-                "step": step,
-                "version": version,
-                "ret": ref.ret,
-                "merged": ref.merged,
-                "merge_reason": ref.merge_reason,
-                "advantages": arr[0].tolist(),
-                "train_logprobs": arr[1].tolist(),
-                "prox_logprobs": arr[2].tolist(),
-                "behaviour_weights": arr[3].tolist(),
-                "clipped": flags[0].tolist(),
-                "behaviour_clipped": flags[1].tolist(),
-            }
-            out.append(row)
-    return out

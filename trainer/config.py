@@ -22,15 +22,30 @@ resolved config beside a run's outputs; loading that file gives an equal object.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from areal_agents.errors import ConfigError
+from areal_agents.trainer.algorithms import (
+    ALGORITHM_NAMES,
+    CRITIC_ALGORITHMS,
+    CRITIC_ESTIMATORS,
+    DYNAMIC_SAMPLING_ALGORITHMS,
+    GROUP_ALGORITHMS,
+    AdvantageSpec,
+    AlgorithmName,
+    AlgorithmSpec,
+    CriticConfig,
+    LossSpec,
+    overrides_of,
+    resolve,
+)
 from areal_agents.trainer.config_checks import Checked, choice_problem, cores_ok
 from areal_agents.trainer.config_engine import EngineConfig, engine_problems
 from areal_agents.trainer.config_rollout import (
+    CONTEXT_KEY_POLICIES,
     AgentConfig,
     ContextConfig,
     EnvConfig,
@@ -40,24 +55,6 @@ from areal_agents.trainer.config_rollout import (
     SamplingConfig,
     WorkersConfig,
 )
-
-# fmt: off
-ALGORITHMS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "gspo", "dapo", "ppo", "reinforce_pp",
-              "reinforce_pp_baseline", "sapo", "m2po")
-# fmt: on
-"""The values of ``TrainConfig.algorithm`` (``areal_agents.trainer.algorithms`` defines each)."""
-
-GROUP_ALGORITHMS = frozenset(ALGORITHMS) - {"ppo", "reinforce_pp"}
-"""Algorithms whose advantages are normalized within a group: they need group_size >= 2."""
-
-CRITIC_ALGORITHMS = frozenset({"ppo"})
-"""Algorithms that train a critic (the ``critic`` section applies to them only)."""
-
-DYNAMIC_SAMPLING_ALGORITHMS = frozenset({"dapo"})
-"""Algorithms that drop groups whose rewards are all equal (``rollout.probe_size`` applies)."""
-
-CRITIC_ESTIMATORS = frozenset({"gae", "turn_gae"})
-"""The estimators that need a critic algorithm (the others need a group algorithm)."""
 
 
 @dataclass(frozen=True)
@@ -146,95 +143,27 @@ class OptimConfig(Checked):
         )
 
 
-@dataclass(frozen=True)
-class LossConfig(Checked):
-    """The decoupled PPO-style objective. None = the value that ``algorithm`` sets."""
+if TYPE_CHECKING:  # made at run time from LossSpec / AdvantageSpec; typed loosely here
+    LossConfig = Any
+    AdvantageConfig = Any
 
-    clip_low: float | None = None
-    """eps_low: the ratio current / proximal policy is clipped below at 1 - eps_low."""
-    clip_high: float | None = None
-    """eps_high: the ratio is clipped above at 1 + eps_high (DAPO's clip-higher: 0.28)."""
-    behaviour_correction: Literal["clip", "mask", "none"] | None = None
-    """Weight proximal / behaviour: clip at behaviour_cap, mask tokens above it, or none."""
-    behaviour_cap: float | None = None
-    """Cap of the behaviour importance weight, >= 1."""
-    proximal: Literal["recompute", "loglinear"] = "recompute"
-    """Proximal logprobs: an extra forward pass, or interpolated from the versions."""
-    kl_coef: float | None = None
-    """Weight of the KL penalty to the reference (initial) model; 0 = none."""
-    entropy_coef: float | None = None
-    """Weight of an entropy bonus on the trained tokens (against early collapse of
-    exploration); 0 = none."""
-    agg: Literal["mean", "sum", "sum_norm"] | None = None
-    """Token losses within a unit: mean, sum, or sum / max_new_tokens (Dr.GRPO)."""
-    weighting: Literal["episode", "token", "completion"] | None = None
-    """What weighs equally: each episode (however many turns), each completion, each token."""
+LossConfig = overrides_of(  # type: ignore[misc]
+    LossSpec,
+    "LossConfig",
+    """The policy loss (``areal_agents.trainer.loss.policy_loss``): each key overrides the
+    algorithm's own value (null = the algorithm's; see ``areal_agents.trainer.algorithms``).""",
+    __name__,
+)
+"""The ``loss`` section: ``LossSpec``'s fields as overrides (``overrides_of``)."""
 
-    def _rules(self) -> Sequence[tuple[str, bool, str]]:
-        low, high, cap, kl = self.clip_low, self.clip_high, self.behaviour_cap, self.kl_coef
-        return (
-            ("clip_low", low is None or low > 0, "> 0 or null"),
-            ("clip_high", high is None or high > 0, "> 0 or null"),
-            ("behaviour_cap", cap is None or cap >= 1, ">= 1 (on-policy tokens weigh 1) or null"),
-            ("kl_coef", kl is None or kl >= 0, ">= 0 or null"),
-            ("entropy_coef", self.entropy_coef is None or self.entropy_coef >= 0, ">= 0 or null"),
-        )
-
-
-@dataclass(frozen=True)
-class CriticConfig(Checked):
-    """The value model of PPO: a copy of the policy's base with a scalar head, and GAE."""
-
-    path: str | None = None
-    """Initial weights of the critic's backbone; None = the policy's (``model.path``)."""
-    lr: float = 1e-5
-    """Peak learning rate of the critic's own AdamW (betas, decay, clip and the schedule's
-    warmup and decay from ``optim``)."""
-    lam: float = 0.95
-    """GAE's lambda in [0, 1]: 1 = Monte-Carlo returns, 0 = one-step TD targets."""
-    value_clip: float | None = 0.2
-    """New values are clipped to within this of the old ones in the value loss; None = off."""
-    whiten: bool = True
-    """Whiten advantages over the step's sampled tokens (mean 0, std 1)."""
-
-    def _rules(self) -> Sequence[tuple[str, bool, str]]:
-        clip = self.value_clip
-        return (
-            ("lr", self.lr > 0, "> 0"),
-            ("lam", 0 <= self.lam <= 1, "in [0, 1]"),
-            ("value_clip", clip is None or clip > 0, "> 0 or null (no clipping)"),
-        )
-
-
-@dataclass(frozen=True)
-class AdvantageConfig(Checked):
-    """The advantage estimator of the algorithm, when not its own (null = the algorithm's:
-    ``gae`` for ppo, ``group`` for the others), and the step-level groups' settings."""
-
-    estimator: Literal["group", "step_group", "gae", "turn_gae"] | None = None
-    """group: the algorithm's baseline and scale over a group's episodes. step_group:
-    GiGPO, that plus step-level groups, the turns of a group's episodes that start from the
-    same state (the env's ``info["state_key"]``, else the prompt's last tool or user
-    messages), normalized together: A = A_E + omega * A_S
-    (``areal_agents.trainer.advantage.step_group_advantages``). gae: PPO's token-level GAE.
-    turn_gae: GAE with one value per turn boundary, ``critic.lam`` and ``rollout.gamma`` once
-    per turn (``areal_agents.trainer.advantage.turn_gae``). group and step_group go with
-    algorithms without a critic, gae and turn_gae with ppo."""
-    omega: float | None = None
-    """step_group: weight of the step-level advantage, >= 0; null = 1.0 (GiGPO's). 0 gives
-    the episode-level advantage alone (the algorithm's own)."""
-    step_scale: Literal["std", "none"] | None = None
-    """step_group: divide the step-level advantage by its step group's std (std), or not
-    (none); null = std."""
-
-    def _rules(self) -> Sequence[tuple[str, bool, str]]:
-        omega = self.omega
-        return (("omega", omega is None or 0 <= omega < float("inf"), ">= 0 or null (= 1.0)"),)
-
-    def overrides(self) -> dict[str, Any]:
-        """The ``AdvantageSpec`` fields this section sets (those not null)."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {k: v for k, v in values.items() if v is not None}
+AdvantageConfig = overrides_of(  # type: ignore[misc]
+    AdvantageSpec,
+    "AdvantageConfig",
+    """The advantage estimator and its settings, when not the algorithm's own (null = the
+    algorithm's: ``gae`` for ppo, ``group`` with its baseline and scale for the others).""",
+    __name__,
+)
+"""The ``advantage`` section: ``AdvantageSpec``'s fields as overrides (``overrides_of``)."""
 
 
 @dataclass(frozen=True)
@@ -418,11 +347,10 @@ class TrainConfig(Checked):
     """The policy model."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The inference engine that generates the episodes: embedded, or vLLM / SGLang servers."""
-    algorithm: str = "grpo"
-    """The RL algorithm, which sets the advantage estimator and the loss: one of grpo,
-    dr_grpo, lite_ppo, rloo, gspo, dapo, ppo, reinforce_pp, reinforce_pp_baseline, sapo,
-    m2po (``ALGORITHMS``; each defined in ``areal_agents.trainer.algorithms``). The ``loss``
-    and ``advantage`` keys left null take its values."""
+    algorithm: AlgorithmName = "grpo"
+    """The RL algorithm, which sets the advantage estimator and the loss (each defined,
+    with its formula and paper, in ``areal_agents.trainer.algorithms``). The ``loss`` and
+    ``advantage`` keys left null take its values."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling during rollouts."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -453,6 +381,11 @@ class TrainConfig(Checked):
     """The worker API of external agents and self-rewarded services (``rollout.agents``)."""
     scheduler: Literal["local", "ray"] = "local"
     """Run every component in this process (local) or spread them over Ray."""
+
+    def algorithm_spec(self) -> AlgorithmSpec:
+        """The algorithm with this config's ``loss``, ``advantage`` and ``critic`` sections
+        (``areal_agents.trainer.algorithms.resolve``): what the trainer receives."""
+        return resolve(self.algorithm, self.loss, self.advantage, self.critic)
 
     @property
     def ray_rollout(self) -> bool:
@@ -519,11 +452,29 @@ class TrainConfig(Checked):
                 )
         return out
 
+    def _loss_problems(self) -> list[str]:
+        """The ``loss.*`` and ``advantage.*`` overrides on the algorithm's preset (each value
+        checked by ``LossSpec`` / ``AdvantageSpec``), and the off-policy correction that an
+        asynchronous run needs."""
+        try:
+            spec = self.algorithm_spec()
+        except ConfigError as exc:
+            return exc.problems or [str(exc)]
+        eta = self.rollout.max_head_offpolicyness
+        if eta > 0 and spec.loss.behaviour_correction == "none":
+            return [
+                f"loss.behaviour_correction: 'none' is refused when training asynchronously "
+                f"(rollout.max_head_offpolicyness={eta}): stale tokens need an off-policy "
+                f"correction; set loss.behaviour_correction=clip (or mask), or "
+                f"rollout.max_head_offpolicyness=0 for synchronous training"
+            ]
+        return []
+
     def _problems(self) -> list[str]:
         """Checks that span sections (each section checks itself), with full keys."""
         out, group = [], self.rollout.group_size
-        if self.algorithm not in ALGORITHMS:
-            out.append(choice_problem("algorithm", self.algorithm, ALGORITHMS))
+        if self.algorithm not in ALGORITHM_NAMES:
+            out.append(choice_problem("algorithm", self.algorithm, ALGORITHM_NAMES))
         elif self.algorithm in GROUP_ALGORITHMS and group < 2:
             out.append(
                 f"rollout.group_size: {self.algorithm} normalizes advantages within a group, "
@@ -540,16 +491,9 @@ class TrainConfig(Checked):
                 f"critic: set, but algorithm {self.algorithm!r} trains no critic; remove the "
                 f"critic section or choose algorithm={'|'.join(sorted(CRITIC_ALGORITHMS))}"
             )
-        if self.algorithm in ALGORITHMS:
-            out.extend(self._advantage_problems())
-        eta = self.rollout.max_head_offpolicyness
-        if eta > 0 and self.loss.behaviour_correction == "none":
-            out.append(
-                f"loss.behaviour_correction: 'none' is refused when training asynchronously "
-                f"(rollout.max_head_offpolicyness={eta}): stale tokens need an off-policy "
-                f"correction; set loss.behaviour_correction=clip (or mask), or "
-                f"rollout.max_head_offpolicyness=0 for synchronous training"
-            )
+        if self.algorithm in ALGORITHM_NAMES:
+            fit = self._advantage_problems()  # an estimator that does not fit is said once
+            out += fit + [p for p in self._loss_problems() if not (fit and "estimator" in p)]
         agents = self.rollout.agents
         self_rewarded = agents == "self_rewarded"
         if agents == "local" and self.workers != WorkersConfig():
@@ -624,9 +568,15 @@ class TrainConfig(Checked):
         return out
 
     def _context_problems(self) -> list[str]:
-        """``context.*`` against the model's context and the scheduler."""
+        """``context.*`` against its policy, the model's context and the scheduler."""
         out: list[str] = []
-        c, ctx = self.context, self.model.max_context
+        c, ctx, base = self.context, self.model.max_context, ContextConfig()
+        for name, policies in CONTEXT_KEY_POLICIES.items():
+            if c.policy not in policies and getattr(c, name) != getattr(base, name):
+                out.append(
+                    f"context.{name}: set, but context.policy={c.policy} does not use it; set "
+                    f"context.policy={'|'.join(policies)} or remove context.{name}"
+                )
         if c.policy == "fail":
             return out
         if self.ray_rollout:

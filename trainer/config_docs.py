@@ -59,10 +59,15 @@ class Row:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of dataclass ``cls`` (and its dataclass bases), by field."""
+    """The attribute docstrings of dataclass ``cls`` (and its dataclass bases), by field. A
+    section of overrides made by ``areal_agents.trainer.algorithms.overrides_of`` has no source
+    of its own: its fields' docstrings are those of the class it was made from."""
     out: dict[str, str] = {}
     for base in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(base):
+            continue
+        if (made_from := base.__dict__.get("__overrides_of__")) is not None:
+            out.update(field_docs(made_from))
             continue
         tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
         body = next(n for n in tree.body if isinstance(n, ast.ClassDef)).body

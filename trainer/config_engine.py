@@ -33,51 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from areal_agents.engines.server_launch import LaunchConfig
 from areal_agents.trainer.config_checks import Checked
-
-
-@dataclass(frozen=True)
-class LaunchConfig(Checked):
-    """Inference servers started by the run (ignored when ``engine.urls`` is set)."""
-
-    servers: int = 1
-    """How many servers: sessions are spread over them (a session sticks to one), every
-    weight update reaches all."""
-    python: str | None = None
-    """The Python of the engine's own environment (vLLM: ``requirements/make_venv.sh vllm
-    .venv-vllm``). None: ``$AREAL_VLLM_PYTHON`` / ``$AREAL_SGLANG_PYTHON``, else a
-    ``.venv-vllm`` / ``.venv-sglang`` in the working directory, else this Python."""
-    module: str | None = None
-    """The server's Python module, run with ``python -m`` and the backend's flags. None:
-    ``vllm.entrypoints.openai.api_server`` / ``sglang.launch_server``."""
-    args: str = ""
-    """More command-line flags for every server, as one shell-quoted string (e.g.
-    ``"--tensor-parallel-size 2"``)."""
-    port: int = 0
-    """The first server's port (server i: port + i); 0 = free ports."""
-    log: str | None = None
-    """Directory of the servers' logs (``<backend>-<i>.log``). None: ``RUN_DIR/engine``."""
-    gpus: int = 0
-    """GPUs per server: server i sees GPUs ``i*gpus .. i*gpus + gpus - 1``
-    (``CUDA_VISIBLE_DEVICES``); with ``scheduler: ray``, what each server's actor asks for.
-    0 = no GPU (vLLM's CPU build)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Environment variables for every server (e.g. ``VLLM_CPU_KVCACHE_SPACE: "4"``)."""
-    start_timeout_s: float = 900.0
-    """How long a server may take to answer ``/health`` (vLLM compiles on its first start)."""
-    max_restarts: int = 3
-    """A server that dies is restarted, reloads the current weights and version, then takes
-    requests (its episodes in flight end as ``backend_error``); after this many restarts
-    the next death stops the run."""
-
-    def _rules(self) -> Sequence[tuple[str, bool, str]]:
-        return (
-            ("servers", self.servers >= 1, ">= 1"),
-            ("port", 0 <= self.port < 65536, "a TCP port, or 0 (free ports)"),
-            ("gpus", self.gpus >= 0, ">= 0"),
-            ("start_timeout_s", self.start_timeout_s > 0, "> 0"),
-            ("max_restarts", self.max_restarts >= 0, ">= 0"),
-        )
 
 
 @dataclass(frozen=True)

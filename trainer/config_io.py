@@ -3,31 +3,33 @@
 ``load_config`` reads a YAML file and ``a.b=c`` overrides into a
 :class:`~areal_agents.trainer.config.TrainConfig`: every key is checked against the
 sections' fields (an unknown key gets the nearest valid one), every value against its
-annotation (converted where YAML wrote it otherwise, e.g. ``1e4`` for an int), then every
-section's value rules; one ``ConfigError`` lists every problem. ``dump_yaml`` and
-``format_config`` write the resolved config back (``load_config`` reads it to an equal
-object), ``to_dict`` gives it as plain dicts.
+annotation by pydantic (strict scalars; ``1e4`` for an int and a list for a tuple are
+accepted), then every section's value rules; one ``ConfigError`` lists every problem.
+``dump_yaml`` and ``format_config`` write the resolved config back (``load_config`` reads
+it to an equal object), ``to_dict`` gives it as plain dicts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import operator
 import os
 import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import pydantic
 import yaml
 
 from areal_agents.errors import ConfigError
 from areal_agents.trainer.config import TrainConfig
 from areal_agents.trainer.config_checks import (
     CORE_KEYS,
-    Checked,
     allowed_cores,
     choice_problem,
 )
@@ -158,47 +160,79 @@ def _is_section(tp: Any) -> bool:
 
 
 def _coerce(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
-    """``value`` checked against annotation ``tp`` and converted, or ``_INVALID``."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    """``value`` validated against annotation ``tp`` by pydantic (:func:`_adapter`), or
+    ``_INVALID`` with its problem recorded."""
     if _is_section(tp):
         return _build(tp, value, where + ".", problems)
-    if origin is Literal:
-        if isinstance(value, str) and value in args:
-            return value
-        problems.append(choice_problem(where, value, args))
+    try:
+        return _adapter(tp).validate_python(value)
+    except pydantic.ValidationError:
+        choices = _choices(tp)
+        if choices is not None and (value is not None or type(None) not in typing.get_args(tp)):
+            problems.append(choice_problem(where, value, choices))
+        else:
+            problems.append(f"{where}: expected {_want(tp)}, got {value!r}")
         return _INVALID
-    if origin in (types.UnionType, typing.Union) and type(None) in args:  # X | None
-        inner = next(a for a in args if a is not type(None))
-        return None if value is None else _coerce(inner, value, where, problems)
+
+
+@functools.cache
+def _adapter(tp: Any) -> pydantic.TypeAdapter[Any]:
+    """pydantic's validator of annotation ``tp`` with the config's rules: scalars strict (a
+    bool is never a number, a quoted string never a number or a bool), an int may be written
+    as an integral float (``1e4``), a tuple as a YAML list."""
+    return pydantic.TypeAdapter(_strict(tp))
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+_STRICT: dict[Any, Any] = {
+    int: Annotated[int, pydantic.BeforeValidator(_integral), pydantic.Strict()],
+    float: Annotated[float, pydantic.Strict()],
+    bool: Annotated[bool, pydantic.Strict()],
+    str: Annotated[str, pydantic.Strict()],
+}
+
+
+def _strict(tp: Any) -> Any:
+    """``tp`` with each scalar replaced by its strict form (``_STRICT``); containers stay
+    lax (a list validates as a tuple). A mapping's values are left to its section's rules,
+    which name the entry that is wrong."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in _STRICT:
+        return _STRICT[tp]
+    if origin in (types.UnionType, typing.Union):
+        return functools.reduce(operator.or_, [_strict(a) for a in args])
+    if origin is tuple:
+        return tuple[tuple(_strict(a) if a is not Ellipsis else a for a in args)]  # type: ignore[misc]
     if origin is dict:
-        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
-            return dict(value)
-        want = "a mapping with string keys"
-    elif origin is tuple:
-        variadic, seq = args[1:] == (Ellipsis,), value if isinstance(value, list | tuple) else None
-        kinds = [args[0]] * len(seq) if variadic and seq is not None else list(args)
-        items = [_scalar(kind, v) for kind, v in zip(kinds, seq or (), strict=False)]
-        if seq is not None and len(seq) == len(kinds) and _INVALID not in items:
-            return tuple(items)
-        want = f"a list of {args[0].__name__}" + ("" if variadic else f" (length {len(args)})")
-    else:
-        converted = _scalar(tp, value)
-        if converted is not _INVALID:
-            return converted
-        want = tp.__name__
-    problems.append(f"{where}: expected {want}, got {value!r}")
-    return _INVALID
+        return dict[_strict(args[0]), Any]  # type: ignore[misc]
+    return tp
 
 
-def _scalar(tp: Any, value: Any) -> Any:
-    """``value`` as a bool, int, float or str, or ``_INVALID``. Bools are never numbers."""
-    if tp is bool or isinstance(value, bool):
-        return value if tp is bool and isinstance(value, bool) else _INVALID
-    if tp is int and isinstance(value, float) and value.is_integer():
-        return int(value)  # 1e4 written for 10000
-    if tp is float and isinstance(value, int):
-        return float(value)
-    return value if tp in (int, float, str) and isinstance(value, tp) else _INVALID
+def _choices(tp: Any) -> tuple[Any, ...] | None:
+    """The values of a ``Literal`` annotation (or of ``Literal | None``), else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is Literal:
+        return args
+    inner = [a for a in args if a is not type(None)]
+    if len(inner) == 1 and typing.get_origin(inner[0]) is Literal:
+        return typing.get_args(inner[0])
+    return None
+
+
+def _want(tp: Any) -> str:
+    """What annotation ``tp`` expects, in words (the message of a wrong value)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_want(a) for a in args if a is not type(None))
+    if origin is dict:
+        return "a mapping with string keys"
+    if origin is tuple:
+        name = getattr(args[0], "__name__", str(args[0]))
+        return f"a list of {name}" + ("" if args[1:] == (Ellipsis,) else f" (length {len(args)})")
+    return getattr(tp, "__name__", str(tp))
 
 
 def _unknown_key_problem(key: str, siblings: list[str], prefix: str) -> str:
@@ -226,10 +260,13 @@ def _all_keys(cls: type[Any], prefix: str = "") -> list[str]:
 
 
 def _value_problems(section: Any, prefix: str) -> list[str]:
-    """The value problems of ``section`` and of every section inside it, with full keys."""
+    """The value problems of ``section`` and of every section inside it, with full keys: each
+    section's ``_problems()`` (``Checked``'s, or a section declared below the trainer, such
+    as ``areal_agents.serve.context.ContextPolicy``, with its own)."""
     out = []
     for f in dataclasses.fields(section):
-        if isinstance(child := getattr(section, f.name), Checked):
+        child = getattr(section, f.name)
+        if dataclasses.is_dataclass(child) and hasattr(child, "_problems"):
             out.extend(_value_problems(child, f"{prefix}{f.name}."))
     own = section._problems()
     return out + (own if isinstance(section, TrainConfig) else [prefix + p for p in own])

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from areal_agents.engines.protocol import KvOnUpdate
+from areal_agents.serve.context import ContextPolicy
 from areal_agents.trainer.config_checks import Checked, cores_ok
 
 
@@ -132,7 +134,7 @@ class RolloutConfig(Checked):
     ``self_rewarded``: no env; a service opens sessions in groups with the worker token,
     posts their rewards and ends them (see
     ``areal_agents.trainer.session_source.SessionSource``)."""
-    kv_on_update: Literal["recompute", "keep"] = "recompute"
+    kv_on_update: KvOnUpdate = "recompute"
     """What a weight update does with the engine's requests in flight (asynchronous runs):
     ``recompute`` drops their KV caches and re-prefills each with the new weights; ``keep``
     (embedded engine only) lets them decode on from their caches (keys and values the old
@@ -182,50 +184,11 @@ class RolloutConfig(Checked):
         )
 
 
-@dataclass(frozen=True)
-class ContextConfig(Checked):
-    """What the proxy does with a conversation that outgrows ``model.max_context``, for
-    env-driven, in-process and external agents alike (:mod:`areal_agents.serve.context`)."""
+ContextConfig = ContextPolicy
+"""The ``context`` section: the proxy's own ``ContextPolicy``, declared once, in
+:mod:`areal_agents.serve.context`."""
 
-    policy: Literal["fail", "truncate_tool_results", "summarize"] = "fail"
-    """``fail``: the call is a 400 ``context_length_exceeded`` and the episode ends as
-    ``context_overflow``. ``truncate_tool_results``: the oldest tool results are replaced by
-    a marker until the prompt leaves ``reserve_tokens`` free. ``summarize``: the model
-    summarizes the older turns (a recorded call of its own) and they are sent as that
-    summary; truncation when the summary does not make it fit. A rewritten call starts a
-    new segment: a training sample of its own, its returns still along the episode's tree."""
-    reserve_tokens: int = 512
-    """Tokens kept free for the answer: a request is rewritten once its prompt + this would
-    exceed the context (the rewriting policies only)."""
-    keep_last_turns: int = 2
-    """The last this many turns (an assistant message and the tool results after it) are
-    never truncated nor summarized; 0 = none kept (the rewriting policies only)."""
-    summary_max_tokens: int = 512
-    """``summarize``: the longest summary in tokens."""
-    summary_trained: bool = False
-    """``summarize``: train the summary calls (sampled like the agent's calls); false: they
-    are greedy and carry no loss."""
-
-    def _rules(self) -> Sequence[tuple[str, bool, str]]:
-        return (
-            ("reserve_tokens", self.reserve_tokens >= 0, ">= 0"),
-            ("keep_last_turns", self.keep_last_turns >= 0, ">= 0 (0 = no turn kept whole)"),
-            ("summary_max_tokens", self.summary_max_tokens >= 1, ">= 1"),
-        )
-
-    def _problems(self) -> list[str]:
-        out = super()._problems()
-        base = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, policies in _CONTEXT_KEY_POLICIES.items():
-            if self.policy not in policies and getattr(self, name) != base[name]:
-                out.append(
-                    f"{name}: set, but context.policy={self.policy} does not use it; set "
-                    f"context.policy={'|'.join(policies)} or remove context.{name}"
-                )
-        return out
-
-
-_CONTEXT_KEY_POLICIES = {
+CONTEXT_KEY_POLICIES = {
     "reserve_tokens": ("truncate_tool_results", "summarize"),
     "keep_last_turns": ("truncate_tool_results", "summarize"),
     "summary_max_tokens": ("summarize",),

@@ -62,12 +62,12 @@ from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device
 from areal_agents.trainer import fsdp
 from areal_agents.trainer.advantage import tree_gae, turn_gae, whiten
-from areal_agents.trainer.loss import explained_variance
+from areal_agents.trainer.loss import explained_variance, value_loss
 from areal_agents.trainer.policy import Packed, load_schedule, make_packed, pack, step_scheduler
 from areal_agents.trainer.schedule import LrSchedule
 
 if TYPE_CHECKING:
-    from areal_agents.trainer.algorithms import AdvantageSpec, LossSpec
+    from areal_agents.trainer.algorithms import CriticConfig
     from areal_agents.trajectory import Episode, TrainingSample
 
 ValueLossFn = Callable[[list[int], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
@@ -332,16 +332,17 @@ def gae_inputs(episode: Episode, samples: Sequence[TrainingSample], gamma: float
 
 
 def critic_targets(
-    gae: GaeInputs, values: list[torch.Tensor], masks: list[torch.Tensor], spec: AdvantageSpec
+    gae: GaeInputs, values: list[torch.Tensor], masks: list[torch.Tensor], critic: CriticConfig
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
-    """Per sample, the advantages (whitened over all samples' tokens when ``spec.whiten``)
+    """Per sample, the advantages (whitened over all samples' tokens when ``critic.whiten``)
     and the returns ``A + V`` (the value targets, never whitened) by ``tree_gae`` with
-    ``spec.lam``, and their metrics (``explained_variance`` of the values before the step)."""
+    ``critic.lam`` (the ``critic`` section), and their metrics (``explained_variance`` of the
+    values before the step)."""
     adv, ret = tree_gae(
-        gae.rewards, values, masks, gae.discounts, gae.children, spec.lam, truncated=gae.truncated
+        gae.rewards, values, masks, gae.discounts, gae.children, critic.lam, truncated=gae.truncated
     )
     mask = torch.cat(masks).bool()
-    out, stats = _whitened(adv, values, ret, masks, mask, spec)
+    out, stats = _whitened(adv, values, ret, masks, mask, critic)
     return out, ret, stats
 
 
@@ -351,13 +352,13 @@ def _whitened(
     ret: list[torch.Tensor],
     masks: list[torch.Tensor],
     at: torch.Tensor,
-    spec: AdvantageSpec,
+    critic: CriticConfig,
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Per sample, the advantages whitened over all samples' trained tokens (when
-    ``spec.whiten``), and the metrics: advantages over the trained tokens, values and
+    ``critic.whiten``), and the metrics: advantages over the trained tokens, values and
     returns over the positions ``at`` (flat, boolean)."""
     mask, flat = torch.cat(masks).bool(), torch.cat(adv)
-    if spec.whiten:
+    if critic.whiten:
         flat = whiten(flat, mask)
     used, v, r = flat[mask], torch.cat(values)[at], torch.cat(ret)[at]
     stats = {
@@ -376,10 +377,10 @@ def turn_critic_targets(
     values: list[torch.Tensor],
     masks: list[torch.Tensor],
     segments: list[torch.Tensor],
-    spec: AdvantageSpec,
+    critic: CriticConfig,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
     """Turn-level ``critic_targets``: per sample, the advantages by ``turn_gae`` with
-    ``spec.lam`` (whitened over all samples' tokens when ``spec.whiten``), the returns
+    ``critic.lam`` (whitened over all samples' tokens when ``critic.whiten``), the returns
     R(c) = A(c) + V(c) of each turn on its tokens, and the turn boundaries (where the value
     loss applies); the metrics are those of ``critic_targets``, over the boundaries."""
     adv, ret, bounds = turn_gae(
@@ -389,20 +390,20 @@ def turn_critic_targets(
         gae.discounts,
         segments,
         gae.children,
-        spec.lam,
+        critic.lam,
         truncated=gae.truncated,
     )
-    out, stats = _whitened(adv, values, ret, masks, torch.cat(bounds), spec)
+    out, stats = _whitened(adv, values, ret, masks, torch.cat(bounds), critic)
     return out, ret, bounds, stats
 
 
 @dataclass
 class ValueLoss:
-    """The ``Critic.train_step`` callback: ``loss.value_loss`` (clipped by
-    ``loss.value_clip``) over a micro-batch, with the policy loss's per-token ``weights``.
+    """The ``Critic.train_step`` callback: ``value_loss`` (clipped by ``critic.value_clip``;
+    None = unclipped) over a micro-batch, with the policy loss's per-token ``weights``.
     A plain object, so that :meth:`select` can send a trainer rank its part."""
 
-    loss: LossSpec
+    clip: float | None
     old_values: list[torch.Tensor]
     returns: list[torch.Tensor]
     masks: list[torch.Tensor]
@@ -416,7 +417,7 @@ class ValueLoss:
             return [xs[i] for i in idx] if xs else []
 
         return ValueLoss(
-            self.loss,
+            self.clip,
             pick(self.old_values),
             pick(self.returns),
             pick(self.masks),
@@ -432,6 +433,11 @@ class ValueLoss:
             return padded.to(values[0].device)
 
         v = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
-        return self.loss.value_loss(
-            v, pad(self.old_values), pad(self.returns), pad(self.masks), pad(self.weights)
+        return value_loss(
+            v,
+            pad(self.old_values),
+            pad(self.returns),
+            pad(self.masks),
+            clip=self.clip,
+            weights=pad(self.weights),
         )

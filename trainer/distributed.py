@@ -58,12 +58,14 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from areal_agents.engines.launch import free_port
+from areal_agents.engines.protocol import WeightUpdate
 from areal_agents.errors import ArealError, ConfigError
 from areal_agents.hardware import default_device
 from areal_agents.trainer import fsdp
 from areal_agents.trainer.config_io import dump_yaml
 from areal_agents.trainer.critic import Critic
-from areal_agents.trainer.policy import Policy, Temperature
+from areal_agents.trainer.policy import Policy
+from areal_agents.trainer.protocols import CriticLoss, PolicyLoss, Temperature
 
 _PARENT_ENV = "AREAL_TRAINER_LAUNCHER_PID"
 log = logging.getLogger(__name__)
@@ -365,8 +367,12 @@ class DistributedPolicy(_Sharded):
         return bool(self.local.is_lora)
 
     @property
-    def model(self) -> Any:
+    def model(self) -> torch.nn.Module:
         return self.local.model
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.local.vocab_size)
 
     def reset_optimizer(self, lr: float) -> None:
         self._all("reset_optimizer", lr)
@@ -425,15 +431,16 @@ class DistributedPolicy(_Sharded):
     def train_step(
         self,
         seqs: Sequence[Sequence[int]],
-        loss_fn: Any,
+        loss_fn: PolicyLoss,
         temperature: Temperature,
         micro_batch_tokens: int = 4096,
         needed: Sequence[torch.Tensor] | None = None,
         entropy_grad: bool = False,
     ) -> dict[str, float]:
-        """``loss_fn`` must be a ``BatchLoss`` (it is split with the batch by its groups).
-        When it records, the ranks' records are gathered into its ``records``, under the
-        whole batch's sample indices (rank r's sample j is sample ``parts[r][j]``)."""
+        """``loss_fn`` is split with the batch by its groups. When it records (the step's
+        ``BatchLoss(record=True)``), the ranks' records are gathered into its ``records``,
+        under the whole batch's sample indices (rank r's sample j is sample
+        ``parts[r][j]``)."""
         parts = group_parts(loss_fn.group_ids, [len(s) for s in seqs], self.ranks.size)
         args = [
             (
@@ -446,20 +453,21 @@ class DistributedPolicy(_Sharded):
             )
             for idx in parts
         ]
-        if not getattr(loss_fn, "record", False):
+        into = getattr(loss_fn, "records", None) if getattr(loss_fn, "record", False) else None
+        if into is None:
             return self.ranks.call(self.target, "train_step", args, per_rank=True)  # type: ignore[no-any-return]
         results = self.ranks.call(
             self.target, "__train_recorded__", args, per_rank=True, gather=True
         )
         for idx, (_, records) in zip(parts, results, strict=True):
-            loss_fn.records.update({idx[j]: rec for j, rec in records.items()})
+            into.update({idx[j]: rec for j, rec in records.items()})
         return results[0][0]  # type: ignore[no-any-return]
 
-    def weight_update(self, version: int) -> Any:
-        return self._all("weight_update", version)
+    def weight_update(self, version: int) -> WeightUpdate:
+        return self._all("weight_update", version)  # type: ignore[no-any-return]
 
     def export(
-        self, directory: str | Path, tokenizer_dir: str | Path, *, merge_lora: bool = True
+        self, directory: str | Path, tokenizer_dir: str | Path, merge_lora: bool = True
     ) -> Path:
         return self._all("export", str(directory), str(tokenizer_dir), merge_lora)  # type: ignore[no-any-return]
 
@@ -475,9 +483,9 @@ class DistributedCritic(_Sharded):
         return self._forward("values", seqs, lambda idx: (_pick(seqs, idx), micro_batch_tokens))
 
     def train_step(
-        self, seqs: Sequence[Sequence[int]], loss_fn: Any, micro_batch_tokens: int = 4096
+        self, seqs: Sequence[Sequence[int]], loss_fn: CriticLoss, micro_batch_tokens: int = 4096
     ) -> dict[str, float]:
-        """``loss_fn`` must be a ``ValueLoss`` with its samples' group ids."""
+        """``loss_fn`` is split with the batch by its samples' groups."""
         parts = group_parts(loss_fn.group_ids, [len(s) for s in seqs], self.ranks.size)
         args = [(_pick(seqs, idx), loss_fn.select(idx), micro_batch_tokens) for idx in parts]
         return self.ranks.call(self.target, "train_step", args, per_rank=True)  # type: ignore[no-any-return]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from areal_agents.engines.embedded import EmbeddedEngine
-from areal_agents.engines.servers import Launch, split_args, start_server_engine, vllm_lora_rank
+from areal_agents.engines.servers import Launch, start_server_engine, vllm_lora_rank
 from areal_agents.errors import BackendError, ConfigError, UserError
 from areal_agents.hardware import default_device, resolve_dtype
 from areal_agents.trainer.config import TrainConfig
@@ -59,19 +59,10 @@ def build_engine(
     backend, lora = cfg.engine.backend, cfg.model.lora
     launch = None
     if not cfg.engine.urls:
-        spec = cfg.engine.launch
-        launch = Launch(
-            servers=spec.servers,
-            python=spec.python,
-            module=spec.module,
-            args=split_args(spec.args),
-            port=spec.port,
-            log_dir=spec.log or str(out / "engine"),
-            gpus=spec.gpus,
+        launch = Launch(  # the engine.launch section whole, and what this run derives
+            cfg.engine.launch,
+            log_dir=cfg.engine.launch.log or str(out / "engine"),
             cpus=cfg.rollout.engine_cpus,
-            env=dict(spec.env),
-            start_timeout_s=spec.start_timeout_s,
-            max_restarts=spec.max_restarts,
             starter=_ray_starter(cfg) if cfg.scheduler == "ray" else None,
         )
     rank = 0

@@ -43,7 +43,6 @@ Choices made:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -51,9 +50,9 @@ import random
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -62,17 +61,12 @@ from areal_agents import run_state as run_file
 from areal_agents import spans
 from areal_agents.engines.embedded import FairLock
 from areal_agents.errors import ConfigError
-from areal_agents.hardware import default_device, pin_to_cpus, resolve_dtype
+from areal_agents.hardware import default_device, pin_to_cpus
 from areal_agents.model import resolve_model
 from areal_agents.rollout.observe import observe_prompt
 from areal_agents.serve.chat import ChatTokenizer
-from areal_agents.trainer.algorithms import (
-    AlgorithmSpec,
-    LossSpec,
-    check_async_correction,
-    get_algorithm,
-)
-from areal_agents.trainer.batch import ADDITIVE_STATS, SampleTokens, build_batch
+from areal_agents.trainer.algorithms import check_async_correction
+from areal_agents.trainer.batch import build_batch
 from areal_agents.trainer.calibration import calibrate_judge
 from areal_agents.trainer.checkpoint import (
     RunState,
@@ -80,26 +74,52 @@ from areal_agents.trainer.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
-from areal_agents.trainer.config import LossConfig, TrainConfig
+from areal_agents.trainer.config import TrainConfig
 from areal_agents.trainer.config_io import dump_yaml
-from areal_agents.trainer.critic import Critic
-from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy, RayRanks, launch
+from areal_agents.trainer.distributed import Ranks, RayRanks, launch
 from areal_agents.trainer.engine_build import check_lora_targets, first_sync
 from areal_agents.trainer.heldout import HeldOut
 from areal_agents.trainer.metrics import MetricsWriter
-from areal_agents.trainer.policy import Policy
+from areal_agents.trainer.model_build import build_models
+from areal_agents.trainer.protocols import Critic, Policy, Trainable
 from areal_agents.trainer.rollout import Group
 from areal_agents.trainer.rollout_build import build_rollout
 from areal_agents.trainer.run_dir import claim_output_dir
-from areal_agents.trainer.schedule import LrSchedule
-from areal_agents.trainer.sft import demo_tools, load_demos, load_episode_samples, run_sft
-from areal_agents.trainer.step import Update, apply_update, record_train_tokens, train_on_batch
+from areal_agents.trainer.sft import (
+    SftOptions,
+    demo_tools,
+    load_demos,
+    load_episode_samples,
+    run_sft,
+)
+from areal_agents.trainer.step import (
+    ADDITIVE_STATS,
+    Update,
+    apply_update,
+    record_train_tokens,
+    train_on_batch,
+)
 from areal_agents.trainer.time_budget import TimeBoxed, out_of_time_budget
 
 if TYPE_CHECKING:
     from areal_agents.rollout.runner import EpisodeResult
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+Summary = dict[str, float | str | None]
+"""What a run returns: its last step's metrics, ``held_out`` (the held-out evaluations'
+line), ``final_model`` (its path), and ``stopped_by_request`` / ``stopped_by_time_limit``
+when the run stopped early."""
+
+
+class StepMetrics(NamedTuple):
+    """A training step's metrics (:meth:`Trainer._train_step`), as ``_publish`` logs them."""
+
+    scalars: dict[str, float]
+    staleness: list[float]
+    """Per trained token, how many versions behind the policy it was sampled (a histogram)."""
+
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 """The cores this process may run on: ``time/cpu`` is its CPU time over wall time x CORES."""
@@ -124,7 +144,12 @@ class Trainer:
     """Owns the engine, the group source and the policy of one run."""
 
     def __init__(
-        self, cfg: TrainConfig, *, resume: bool = False, quiet: bool = False, ranks: Any = None
+        self,
+        cfg: TrainConfig,
+        *,
+        resume: bool = False,
+        quiet: bool = False,
+        ranks: Ranks | RayRanks | None = None,
     ) -> None:
         """``ranks``: rank 0's command channel (``areal_agents.trainer.distributed.Ranks``) when the
         trainer is sharded (``train.nproc > 1`` or ``train.fsdp``); ``train`` sets it up."""
@@ -136,7 +161,7 @@ class Trainer:
         self.ranks = ranks
         self.cfg = cfg
         self.quiet = quiet
-        self.spec = _algorithm(cfg)
+        self.spec = cfg.algorithm_spec()
         check_async_correction(
             cfg.rollout.max_head_offpolicyness, self.spec.loss.behaviour_correction
         )
@@ -147,6 +172,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, self.out / "config.yaml")
         self._fills: list[Update] = []  # the last batch's updates still to repeat (fill_passes)
+        self.policy: Policy
+        self.critic: Critic | None
         self.state = RunState()
         self._engine_last: tuple[float, float, float] | None = None  # time, tokens, steps
         self._phase = "starting"  # RUN_DIR/run.json's phase (run_state)
@@ -161,8 +188,9 @@ class Trainer:
         self.tokenizer = ChatTokenizer.from_dir(self.model_path)
         # On CPU the engine and the trainer share the cores: their forward passes take turns.
         lock = FairLock() if default_device(cfg.model.device).startswith("cpu") else None
-        policy_kw, critic_kw = model_kwargs(cfg, self.spec, self.model_path, quiet=self.quiet)
-        self.policy, self.critic = self._models(policy_kw, critic_kw, lock)
+        self.policy, self.critic = build_models(
+            cfg, self.spec, self.model_path, self.ranks, lock, quiet=self.quiet
+        )
         if cfg.train.cpus is not None and cfg.scheduler == "ray":
             # Before Ray starts, so its processes (and the rollout workers) share the
             # trainer's cores; the engine actor moves itself to rollout.engine_cpus.
@@ -178,7 +206,7 @@ class Trainer:
             quiet=self.quiet,
         )
         self.engine, self.source = rollout.engine, rollout.source
-        if isinstance(self.policy, Policy):  # trainer ranks hold theirs elsewhere
+        if self.ranks is None:  # trainer ranks hold theirs elsewhere
             check_lora_targets(self.policy.model, cfg)
         if cfg.train.cpus is not None and cfg.scheduler != "ray":
             pin_to_cpus(cfg.train.cpus, "train.cpus")
@@ -188,23 +216,6 @@ class Trainer:
         self.make_env = self.source.make_env
         self.seed_base = self.source.settings.seed_base
         self.held_out = HeldOut(cfg, self.out)  # a bad eval section fails here
-
-    def _models(
-        self, policy_kw: dict[str, Any], critic_kw: dict[str, Any] | None, lock: Any
-    ) -> tuple[Any, Any]:
-        """The policy and the critic (None without one): in this process, or on every
-        trainer rank (``DistributedPolicy`` / ``DistributedCritic``)."""
-        critic: Any = None
-        if self.ranks is None:
-            if critic_kw is not None:
-                critic = Critic(**critic_kw, compute_lock=lock)
-            return Policy(**policy_kw, compute_lock=lock), critic
-        offload = {"cpu_offload": self.cfg.train.cpu_offload}
-        policy = self.ranks.build("policy", "policy", {**policy_kw, **offload}, lock)
-        if critic_kw is not None:
-            local = self.ranks.build("critic", "critic", {**critic_kw, **offload}, lock)
-            critic = DistributedCritic(self.ranks, local)
-        return DistributedPolicy(self.ranks, policy), critic
 
     async def _start(self) -> None:
         """Resume from the latest checkpoint, or warm-start; then the engine gets the
@@ -268,8 +279,7 @@ class Trainer:
         self._set_phase("warm_start")
         policy = self._sft_policy()
         if cfg.sft.kind == "episodes":  # recorded token ids: no env, template or agent
-            vocab = int(self.policy.model.get_input_embeddings().weight.shape[0])
-            pairs, skipped = load_episode_samples(cfg.sft.demos or "", vocab)
+            pairs, skipped = load_episode_samples(cfg.sft.demos or "", self.policy.vocab_size)
             self._finish_warm_start(
                 run_sft(
                     policy,
@@ -283,12 +293,11 @@ class Trainer:
                 policy,
             )
             return
-        info: dict[str, Any] = {}
-        maker = None
+        maker, tools = None, None
         if self.make_env is not None:  # None: a self-rewarded run, no env
             env = self.make_env()
             _, info = env.reset(seed=self.seed_base)
-            maker = getattr(env.unwrapped, "demos", None)
+            maker, tools = getattr(env.unwrapped, "demos", None), info.get("tools") or None
             env.close()
         path = cfg.sft.demos or ""
         if cfg.sft.generate:
@@ -301,7 +310,7 @@ class Trainer:
             path = str(self.out / "sft_demos.jsonl")
             with open(path, "w") as f:
                 f.writelines(json.dumps({"messages": m}) + "\n" for m in rows)
-        demos, tools = load_demos(path), info.get("tools") or None
+        demos = load_demos(path)
         if self.source.local_agent is not None:
             # rendered the way the agent's prompts look: its messages before the env's
             # (instructions), its tool list, through the same chat template
@@ -316,7 +325,7 @@ class Trainer:
             run_sft(policy, self.tokenizer, demos, tools, **self._sft_args()), policy
         )
 
-    def _sft_policy(self) -> Any:
+    def _sft_policy(self) -> Trainable:
         """The policy as the warm start trains it: under ``train.time_limit_min`` a
         :class:`TimeBoxed` view of it (the warm start spends the run's budget too)."""
         limit = self.cfg.train.time_limit_min
@@ -324,7 +333,7 @@ class Trainer:
             return self.policy
         return TimeBoxed(self.policy, self._elapsed, 60 * limit)
 
-    def _sft_args(self) -> dict[str, Any]:
+    def _sft_args(self) -> SftOptions:
         cfg = self.cfg
         return {
             "epochs": cfg.sft.epochs,
@@ -335,7 +344,7 @@ class Trainer:
             "progress": not self.quiet,
         }
 
-    def _finish_warm_start(self, stats: dict[str, float], policy: Any = None) -> None:
+    def _finish_warm_start(self, stats: dict[str, float], policy: Trainable | None = None) -> None:
         """A fresh optimizer and schedule for RL; the warm start's stats in ``sft.json``
         (with ``sft_skipped_batches`` when ``train.time_limit_min`` cut it short)."""
         if isinstance(policy, TimeBoxed):
@@ -354,7 +363,7 @@ class Trainer:
         if not self.quiet:
             print(f"warm start: {stats}", file=sys.stderr)
 
-    def _set_phase(self, phase: str, **changes: Any) -> None:
+    def _set_phase(self, phase: str, **changes: int) -> None:
         """What the run does now, in ``RUN_DIR/run.json`` (with other ``changes``)."""
         self._phase = phase
         run_file.update_file(self.out, phase=phase, **changes)
@@ -416,7 +425,7 @@ class Trainer:
             tags={"engine": self.cfg.engine.backend},
         )
 
-    def _progress_bar(self) -> Any:
+    def _progress_bar(self) -> tqdm:
         return tqdm(
             total=self.cfg.train.steps,
             initial=self.state.step,
@@ -427,62 +436,78 @@ class Trainer:
         )
 
     # -- main --------------------------------------------------------------------
-    async def run(self) -> dict[str, Any]:
-        """Next batch, train step, weight sync, log, checkpoint; until ``train.steps`` or
-        ``train.time_limit_min``. Then the final model (LoRA merged) is exported."""
+    async def run(self) -> Summary:
+        """Steps (:meth:`_step`: next batch, train step, weight sync, log, checkpoint) until
+        ``train.steps``, ``train.time_limit_min`` or ``areal-agent stop``; then the final
+        held-out evaluation, and the final model (LoRA merged) is exported."""
         self._t_start = time.perf_counter()
         spans.record_to(self.out / "spans.jsonl")  # where the time goes: spans.py
         self._build()
-        cfg, st, source = self.cfg, self.state, self.source
         metrics, bar = self._metrics(), self._progress_bar()
         self._metrics_writer = metrics
         recent: deque[float] = deque(maxlen=4)  # step durations, s
-        summary: dict[str, Any] = {}
+        summary: Summary = {}
         try:
             await self._start()
-            self._set_phase("training", step=st.step)
-            while st.step < cfg.train.steps:
+            self._set_phase("training", step=self.state.step)
+            while self.state.step < self.cfg.train.steps:
                 if self._stop_requested():  # areal-agent stop: no final evaluation or export
                     summary["stopped_by_request"] = True
                     return summary
                 if not recent and self._out_of_time(recent):  # the warm start spent it all
                     summary["stopped_by_time_limit"] = True
                     break
-                t0 = time.perf_counter()
-                groups, fill = await self._next_batch()
-                t_wait = time.perf_counter() - t0 - fill["fill_s"]
-                summary = await self._train_step(groups, st.step, t_wait, source.dropped)
-                summary.update(fill)
-                await self._publish(groups, summary, metrics)
-                recent.append(time.perf_counter() - t0)
-                stop = self._out_of_time(recent)
-                every = cfg.train.save_every
-                if stop or st.step == cfg.train.steps or (every and st.step % every == 0):
-                    self._checkpoint()
-                run_file.update_file(self.out, step=st.step)
-                bar.update()
-                bar.set_postfix(
-                    reward=f"{summary['reward_mean']:.2f}",
-                    success=f"{summary['success_rate']:.0%}" if "success_rate" in summary else "-",
-                    stale=f"{summary['staleness_mean']:.2f}",
-                    gen_tps=f"{summary['gen_tokens_per_s']:.0f}",
-                )
+                scalars, stop = await self._step(recent, metrics, bar)
+                summary = {**scalars}
                 if stop:
                     summary["stopped_by_time_limit"] = True
                     break
-            await source.stop()  # the final evaluation has the engine to itself
+            await self.source.stop()  # the final evaluation has the engine to itself
             await self._evaluate("final")
             summary["held_out"] = self.held_out.line()
         finally:
-            await source.close()  # groups in flight end here: a resume redoes them
-            bar.close()
-            metrics.close()
-            spans.stop()
-            await self.engine.close()
+            await self._close(bar, metrics)
         self._set_phase("exporting")
         final = self.policy.export(self.out / "final", self.model_path, merge_lora=True)
         summary["final_model"] = str(final)
         return summary
+
+    async def _step(
+        self, recent: deque[float], metrics: MetricsWriter, bar: tqdm
+    ) -> tuple[dict[str, float], bool]:
+        """One step of :meth:`run`: the next batch (:meth:`_next_batch`), the train step
+        (:meth:`_train_step`), the new weights to the engine and the metrics
+        (:meth:`_publish`), a checkpoint when one is due, the progress bar. Returns the
+        step's metrics and whether ``train.time_limit_min`` leaves no time for another."""
+        cfg, st = self.cfg, self.state
+        t0 = time.perf_counter()
+        groups, fill = await self._next_batch()
+        t_wait = time.perf_counter() - t0 - fill["fill_s"]
+        step = await self._train_step(groups, st.step, t_wait, self.source.dropped)
+        scalars = await self._publish(groups, {**step.scalars, **fill}, step.staleness, metrics)
+        recent.append(time.perf_counter() - t0)
+        stop = self._out_of_time(recent)
+        every = cfg.train.save_every
+        if stop or st.step == cfg.train.steps or (every and st.step % every == 0):
+            self._checkpoint()
+        run_file.update_file(self.out, step=st.step)
+        bar.update()
+        bar.set_postfix(
+            reward=f"{scalars['reward_mean']:.2f}",
+            success=f"{scalars['success_rate']:.0%}" if "success_rate" in scalars else "-",
+            stale=f"{scalars['staleness_mean']:.2f}",
+            gen_tps=f"{scalars['gen_tokens_per_s']:.0f}",
+        )
+        return scalars, stop
+
+    async def _close(self, bar: tqdm, metrics: MetricsWriter) -> None:
+        """The end of :meth:`run`, however it ends: the source (groups in flight end here: a
+        resume redoes them), the progress bar, the metrics, the spans and the engine."""
+        await self.source.close()
+        bar.close()
+        metrics.close()
+        spans.stop()
+        await self.engine.close()
 
     async def _next_batch(self) -> tuple[list[Group], dict[str, float]]:
         """The next batch; while it is not complete, the last batch's updates again
@@ -500,16 +525,21 @@ class Trainer:
         return groups, {"fill_updates": float(done), "fill_s": t_fill}
 
     async def _publish(
-        self, groups: list[Group], scalars: dict[str, Any], metrics: MetricsWriter
-    ) -> None:
+        self,
+        groups: list[Group],
+        scalars: dict[str, float],
+        staleness: list[float],
+        metrics: MetricsWriter,
+    ) -> dict[str, float]:
         """After a step: the ledger, the new weights to the engine (``weight_sync_s``: how
-        long that took), the step's metrics, then the source's new version."""
+        long that took), the step's metrics, then the source's new version. Returns the
+        metrics as logged: ``scalars``, the sync's and the time shares, an evaluation's."""
         self._consumed(groups)
         t0 = time.perf_counter()
         with spans.span("trainer", "weight_sync", version=self.state.step):
             await self.engine.update_weights(self.policy.weight_update(self.state.step))
         now = time.perf_counter()
-        scalars["weight_sync_s"] = now - t0
+        scalars = {**scalars, "weight_sync_s": now - t0}
         recorder = spans.current()
         take = getattr(self.engine, "take_spans", None)  # an engine in a process of its own
         if take is not None:
@@ -523,14 +553,15 @@ class Trainer:
         every = self.cfg.eval.every
         if every and self.state.step % every == 0:  # while the rollouts go on
             scalars.update(await self._evaluate(f"step-{self.state.step}"))
-        metrics.log(self.state.step, scalars, {"staleness": scalars.pop("_staleness")})
+        metrics.log(self.state.step, scalars, {"staleness": staleness})
         await self.source.set_version(self.state.step)
+        return scalars
 
     async def _train_step(
         self, got: list[Group], version: int, t_wait: float, dropped: Counter[str]
-    ) -> dict[str, Any]:
-        """Train on the groups ``got``; returns the step's metrics (its staleness histogram
-        under ``_staleness``, which ``_publish`` logs)."""
+    ) -> StepMetrics:
+        """Train on the groups ``got`` (:func:`areal_agents.trainer.step.train_on_batch`);
+        returns the step's metrics."""
         cfg = self.cfg
         results = [r for _, eps in got for r in eps]
         episodes = [r.episode for r in results]
@@ -547,24 +578,21 @@ class Trainer:
         if self.critic is not None:
             lrs["optim/critic_lr"] = self.critic.lr
         store = getattr(self.source, "store", None)  # None: the step's tokens go nowhere
-        records: list[SampleTokens] | None = None if store is None else []
-        updates: list[Update] = []
-        stats = await asyncio.to_thread(
+        done = await asyncio.to_thread(
             train_on_batch,
             self.policy,
             self.critic,
             batch,
-            bstats,
             self.spec,
             cfg,
             version,
-            records,
-            updates,
+            record=store is not None,
         )
-        self._fills = updates * cfg.train.fill_passes  # to repeat while the next batch comes
+        self._fills = list(done.updates) * cfg.train.fill_passes  # while the next batch comes
         t_train = time.perf_counter() - t0
-        if records is not None:
-            await asyncio.to_thread(record_train_tokens, store, records, version)
+        if store is not None:
+            await asyncio.to_thread(record_train_tokens, store, done.records, version)
+        stats = dict(done.stats)
         policy_keys = set(stats) - {"grad_norm", "micro_batches", "entropy_sum", "tokens"}
         policy_keys -= {k for k in stats if k.startswith("value_")}
         tokens = stats.pop("tokens", 0.0) or 1.0
@@ -577,7 +605,7 @@ class Trainer:
         gen_tokens = sum(r.output_tokens for r in results)
         gen_time = max((r.duration_s for r in results), default=1.0)
         known = [bool(r.success) for r in results if r.success is not None]
-        scalars: dict[str, Any] = {
+        scalars: dict[str, float] = {
             "reward_mean": sum(r.reward for r in results) / len(results),
             # over the episodes that report success (self-rewarded sessions do not)
             **({"success_rate": sum(known) / len(known)} if known else {}),
@@ -597,6 +625,7 @@ class Trainer:
             "elapsed_s": self._elapsed(),
             **lrs,
             **bstats,
+            **done.batch_stats,
             **{
                 f"loss/{k}": float(v) if k in ADDITIVE_STATS or k not in policy_keys else v / tokens
                 for k, v in stats.items()
@@ -605,8 +634,7 @@ class Trainer:
         }
         scalars.update(await self._engine_counters())
         scalars.update(self.source.metrics())
-        scalars["_staleness"] = [float(s) for s in stale]
-        return scalars
+        return StepMetrics(scalars, [float(s) for s in stale])
 
     async def _engine_counters(self) -> dict[str, float]:
         """The engine's running totals (prefills and their batches, prefill and prefix-hit
@@ -642,7 +670,7 @@ class Trainer:
         return out
 
 
-async def _unless_engine_fails(wait: Any, engine: Any, poll_s: float = 1.0) -> Any:
+async def _unless_engine_fails(wait: Awaitable[T], engine: object, poll_s: float = 1.0) -> T:
     """Await ``wait`` unless the engine gives up first (a server that died more often than
     ``engine.launch.max_restarts``): then its error ends the run instead of a wait for
     episodes that can no longer come."""
@@ -660,46 +688,6 @@ async def _unless_engine_fails(wait: Any, engine: Any, poll_s: float = 1.0) -> A
             task.cancel()
 
 
-def model_kwargs(
-    cfg: TrainConfig, spec: AlgorithmSpec, model_path: str, *, quiet: bool = False
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The keyword arguments of the run's ``Policy`` and ``Critic`` (None without a critic):
-    the model, dtype, device, LoRA, optimizer and schedule settings of ``cfg``."""
-    device = default_device(cfg.model.device)
-    # auto: bfloat16 only where it is native and the weights it holds are frozen (LoRA)
-    dtype = resolve_dtype(cfg.model.dtype, device, low_precision_ok=cfg.model.lora.enabled)
-    lora = None
-    if cfg.model.lora.enabled:
-        lora = {
-            "r": cfg.model.lora.r,
-            "lora_alpha": cfg.model.lora.alpha,
-            "lora_dropout": cfg.model.lora.dropout,
-            "target_modules": list(cfg.model.lora.target_modules),
-        }
-    shared: dict[str, Any] = {  # the same for the policy and a critic
-        "dtype": dtype,
-        "device": cfg.model.device,
-        "lora": lora,
-        "activation_checkpointing": cfg.model.activation_checkpointing,
-        "weight_decay": cfg.optim.weight_decay,
-        "betas": tuple(cfg.optim.betas),
-        "grad_clip": cfg.optim.grad_clip or float("inf"),
-        "schedule": lr_schedule(cfg),
-    }
-    policy_kw = {
-        "model_path": model_path,
-        "lr": cfg.optim.lr,
-        "reference": spec.loss.kl_coef > 0,
-        "share_prefixes": cfg.train.share_prefixes,
-        **shared,
-    }
-    if not spec.needs_critic:
-        return policy_kw, None
-    path = cfg.critic.path
-    critic_path = model_path if path is None else resolve_model(path, quiet=quiet)
-    return policy_kw, {"model_path": critic_path, "lr": cfg.critic.lr, **shared}
-
-
 def _tool_call_metrics(results: Sequence[EpisodeResult]) -> dict[str, float]:
     """``tool_calls_mean`` (tool calls per episode) and ``tool_call_valid_rate`` (the share
     whose result was not an error), over the episodes whose env ran the tools; {} when none
@@ -712,49 +700,12 @@ def _tool_call_metrics(results: Sequence[EpisodeResult]) -> dict[str, float]:
     return out
 
 
-def lr_schedule(cfg: TrainConfig) -> LrSchedule:
-    """``optim.schedule`` with its warmup over ``optim.total_steps`` (None = ``train.steps``)."""
-    o = cfg.optim
-    return LrSchedule(o.schedule, o.warmup_steps, o.total_steps or cfg.train.steps)
-
-
-LOSS_OVERRIDES = tuple(
-    f.name
-    for f in dataclasses.fields(LossConfig)
-    if f.name in {g.name for g in dataclasses.fields(LossSpec)}
-)
-"""The ``loss.*`` keys that set a field of the algorithm's ``LossSpec`` of the same name (all
-but ``proximal``, which the loop reads itself)."""
-
-
-def _algorithm(cfg: TrainConfig) -> AlgorithmSpec:
-    """The configured algorithm, with every ``loss.*`` value the config sets (not None), the
-    ``advantage.*`` ones and, for a critic algorithm, the ``critic.*`` GAE and value-clip
-    settings."""
-
-    spec = get_algorithm(cfg.algorithm)
-    changes = {n: getattr(cfg.loss, n) for n in LOSS_OVERRIDES if getattr(cfg.loss, n) is not None}
-    a = cfg.advantage
-    chosen: dict[str, Any] = {
-        "estimator": a.estimator,
-        "omega": a.omega,
-        "step_scale": a.step_scale,
-    }
-    chosen = {k: v for k, v in chosen.items() if v is not None}  # null: the algorithm's own
-    adv = dataclasses.replace(spec.advantage, gamma=cfg.rollout.gamma, **chosen)
-    if spec.needs_critic:
-        changes["value_clip"] = cfg.critic.value_clip
-        adv = dataclasses.replace(adv, lam=cfg.critic.lam, whiten=cfg.critic.whiten)
-    loss = dataclasses.replace(spec.loss, **changes)
-    return dataclasses.replace(spec, loss=loss, advantage=adv)
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Summary:
     """Run ``cfg`` to completion (blocking); returns the last step's metrics. A sharded
     trainer (``train.nproc > 1`` or ``train.fsdp``) runs on ranks that
     ``areal_agents.trainer.distributed.launch`` starts, or on Ray actors (``RayRanks``) with
@@ -777,7 +728,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> dic
         return summary
 
 
-def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> dict[str, Any]:
+def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> Summary:
     if cfg.train.sharded and cfg.scheduler == "ray":
         ranks = RayRanks(cfg.train.nproc, cfg.train.seed, cfg.train.collective_timeout_s)
         try:

@@ -27,51 +27,21 @@ logprob computation over the vocabulary (the training loop chunks sequences if n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-from areal_agents.errors import ConfigError
-from areal_agents.trainer.advantage import Ids, Reduce, Weighting, completion_weights
-
-RatioLevel = Literal["token", "sequence"]
-BehaviourCorrection = Literal["clip", "mask", "none"]
-Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
+from areal_agents.trainer.advantage import Ids, completion_weights
+from areal_agents.trainer.algorithms import Agg, BehaviourCorrection, KLEstimator, LossSpec
 
 _MAX_LOG_RATIO = 20.0
-
-_TOKEN_AGG: dict[tuple[str, str], Agg] = {
-    ("token", "mean"): "token_mean",
-    ("token", "sum"): "token_mean",
-    ("token", "sum_norm"): "token_mean",
-    ("completion", "mean"): "seq_mean_token_mean",
-    ("completion", "sum"): "seq_mean_token_sum",
-    ("completion", "sum_norm"): "seq_mean_token_sum_norm",
-}
-"""(unit, reduce) -> the ``aggregate`` equal to it when a row is one unit."""
 
 
 def _check_choice(name: str, value: str, kind: object) -> None:
     choices = get_args(kind)
     if value not in choices:
         raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
-
-
-def _choice(section: str, name: str, value: object, kind: object) -> list[str]:
-    """The problem with ``section.name = value`` if it is not one of ``kind``'s choices."""
-    choices = get_args(kind)
-    if value in choices:
-        return []
-    return [f"{section}.{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}"]
-
-
-def _raise(section: str, problems: list[str]) -> None:
-    """Raise every problem of a settings section at once as one ``ConfigError``."""
-    if problems:
-        raise ConfigError(f"invalid {section} settings:", problems)
 
 
 # ------------------------------------------------------------------ logits
@@ -218,119 +188,20 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------ the setting
-@dataclass(frozen=True)
-class LossSpec:
-    """A setting of the one policy loss (see :func:`policy_loss`); validated on creation,
-    every problem at once (``ConfigError``)."""
-
-    clip_low: float | None = 0.2
-    """eps_low: the ratio is clipped below at 1 - eps_low; None = no lower bound."""
-    clip_high: float | None = 0.2
-    """eps_high: the ratio is clipped above at 1 + eps_high; None = no upper bound."""
-    ratio_level: RatioLevel = "token"
-    """token: per-token ratio; sequence: geometric mean over each completion (GSPO)."""
-    behaviour_correction: BehaviourCorrection = "clip"
-    """pi_prox / pi_behav weight: clip at behaviour_cap, mask tokens above it, or none."""
-    behaviour_cap: float = 5.0
-    """Cap of the behaviour importance weight."""
-    weighting: Weighting = "episode"
-    """The unit that weighs equally: episode, completion or token."""
-    agg: Reduce = "mean"
-    """Token losses within a unit: mean, sum, or sum / max_tokens (Dr.GRPO)."""
-    sapo_tau_pos: float | None = None
-    """SAPO gate temperature for positive advantages; None = hard clip."""
-    sapo_tau_neg: float | None = None
-    """SAPO gate temperature for negative advantages."""
-    m2po_tau: float | None = None
-    """M2PO: mask tokens until the second moment of log-ratios is <= this; None = off."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference model; 0 = none."""
-    kl_estimator: KLEstimator = "k3"
-    """k1, k2 or k3 estimator of KL(pi_theta || pi_ref)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (the policy's token entropy at the sampling temperature,
-    aggregated like the policy loss); 0 = none."""
-    value_clip: float | None = 0.2
-    """Critic value clip range (PPO); None = unclipped."""
-
-    def __post_init__(self) -> None:
-        problems = _choice("loss", "ratio_level", self.ratio_level, RatioLevel)
-        problems += _choice(
-            "loss", "behaviour_correction", self.behaviour_correction, BehaviourCorrection
-        )
-        problems += _choice("loss", "weighting", self.weighting, Weighting)
-        problems += _choice("loss", "agg", self.agg, Reduce)
-        problems += _choice("loss", "kl_estimator", self.kl_estimator, KLEstimator)
-        for name in ("clip_low", "clip_high", "m2po_tau", "sapo_tau_pos", "sapo_tau_neg"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                problems.append(f"loss.{name}: expected > 0 or None, got {v}")
-        if (self.sapo_tau_pos is None) != (self.sapo_tau_neg is None):
-            problems.append("loss.sapo_tau_pos, loss.sapo_tau_neg: set both (SAPO) or neither")
-        if self.behaviour_cap < 1:
-            problems.append(f"loss.behaviour_cap: expected >= 1, got {self.behaviour_cap}")
-        if self.kl_coef < 0:
-            problems.append(f"loss.kl_coef: expected >= 0, got {self.kl_coef}")
-        if self.entropy_coef < 0:
-            problems.append(f"loss.entropy_coef: expected >= 0, got {self.entropy_coef}")
-        _raise("loss", problems)
-
-    @property
-    def token_agg(self) -> Agg:
-        """The ``policy_loss`` aggregation equal to (weighting, agg) when a row is one unit."""
-        unit = "token" if self.weighting == "token" else "completion"
-        return _TOKEN_AGG[(unit, self.agg)]
-
-    def weights(
-        self, token_completion: Tensor, episode_ids: Ids, max_tokens: int | None = None
-    ) -> Tensor:
-        """Per-token weights over a whole batch (``completion_weights``) for this setting."""
-        return completion_weights(
-            token_completion,
-            episode_ids,
-            weighting=self.weighting,
-            reduce=self.agg,
-            max_tokens=max_tokens,
-        )
-
-    def policy_loss(
-        self,
-        logp: Tensor,
-        behav_logp: Tensor,
-        prox_logp: Tensor | None,
-        advantages: Tensor,
-        mask: Tensor,
-        tokens: dict[str, Tensor] | None = None,
-        **inputs: Tensor | int | None,
-    ) -> tuple[Tensor, dict[str, float]]:
-        """``policy_loss`` with this setting. ``inputs``: weights, segment_ids, max_tokens,
-        ref_logp, entropy (anything that is data rather than configuration); ``tokens``:
-        filled with the per-token values (see :func:`policy_loss`)."""
-        return policy_loss(
-            logp,
-            behav_logp,
-            prox_logp,
-            advantages,
-            mask,
-            self,
-            tokens=tokens,
-            **inputs,  # type: ignore[arg-type]
-        )
-
-    def value_loss(
-        self,
-        values: Tensor,
-        old_values: Tensor,
-        returns: Tensor,
-        mask: Tensor,
-        weights: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, float]]:
-        """PPO's clipped value loss with this spec's clip: ``sum(weights * term)`` with the
-        policy loss's weights, or the token mean without them."""
-        return value_loss(values, old_values, returns, mask, clip=self.value_clip, weights=weights)
+def loss_weights(
+    spec: LossSpec, token_completion: Tensor, episode_ids: Ids, max_tokens: int | None = None
+) -> Tensor:
+    """Per-token weights over a whole batch (``completion_weights``) for the loss setting
+    ``spec``: its ``weighting`` (the unit that weighs equally) and ``agg``."""
+    return completion_weights(
+        token_completion,
+        episode_ids,
+        weighting=spec.weighting,
+        reduce=spec.agg,
+        max_tokens=max_tokens,
+    )
 
 
-# ------------------------------------------------------------------ policy loss
 def _behaviour_weight(
     log_w: Tensor, valid: Tensor, correction: BehaviourCorrection, cap: float
 ) -> tuple[Tensor, Tensor]:

@@ -101,7 +101,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_agents import model as models
-from areal_agents.trainer.config import CRITIC_ALGORITHMS
 
 __all__ = ["MemoryEstimate", "estimate_for_config", "estimate_memory"]
 
@@ -575,7 +574,6 @@ def estimate_for_config(cfg: Any) -> MemoryEstimate:
     (``loss.kl_coef``, else the algorithm's) is > 0 for a full fine-tune, and the critic of
     a critic algorithm (``critic.path``'s config, else the policy's)."""
     from areal_agents.hardware import default_device, resolve_dtype  # noqa: PLC0415  it imports torch; the estimate stays light
-    from areal_agents.trainer.algorithms import get_algorithm  # noqa: PLC0415  it imports torch; the estimate stays light
 
     device = default_device(cfg.model.device)
     lora_cfg = cfg.model.lora
@@ -583,10 +581,8 @@ def estimate_for_config(cfg: Any) -> MemoryEstimate:
     lora = None
     if lora_cfg.enabled:
         lora = {"r": lora_cfg.r, "target_modules": list(lora_cfg.target_modules)}
-    kl = cfg.loss.kl_coef
-    if kl is None:
-        kl = get_algorithm(cfg.algorithm).loss.kl_coef
-    has_critic = cfg.algorithm in CRITIC_ALGORITHMS
+    spec = cfg.algorithm_spec()
+    kl, has_critic = spec.loss.kl_coef, spec.needs_critic
     critic_config = None
     if has_critic and cfg.critic.path is not None:
         critic_config = load_model_config(cfg.critic.path)

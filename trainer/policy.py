@@ -57,6 +57,7 @@ from areal_agents.errors import ConfigError
 from areal_agents.hardware import default_device
 from areal_agents.trainer import fsdp
 from areal_agents.trainer.loss import entropy_from_logits, scale_logits
+from areal_agents.trainer.protocols import Temperature
 from areal_agents.trainer.schedule import LrSchedule
 from areal_agents.trajectory import common_prefix_len
 
@@ -253,11 +254,6 @@ def make_tree_packed(
     return packed
 
 
-Temperature = float | Sequence[torch.Tensor]
-"""One sampling temperature for every token, or per sequence one per token 1..n-1 (the
-temperature each token was sampled with; ``Batch.temps``)."""
-
-
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor
 ) -> torch.Tensor:
@@ -417,6 +413,11 @@ class Policy:
     def lr(self) -> float:
         """The learning rate the next optimizer step uses."""
         return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def vocab_size(self) -> int:
+        """The rows of the model's input embeddings (the token ids it reads)."""
+        return int(self.model.get_input_embeddings().weight.shape[0])
 
     def step_schedule(self) -> None:
         """Advance the learning-rate schedule by one training step (also when the step's

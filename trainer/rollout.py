@@ -64,8 +64,10 @@ import torch
 from areal_agents import spans
 from areal_agents.rollout.runner import EpisodeResult, Runner
 from areal_agents.trainer.advantage import filter_uniform_groups
+from areal_agents.trainer.algorithms import GROUP_ALGORITHMS
 from areal_agents.trainer.checkpoint import RunState
-from areal_agents.trainer.config import GROUP_ALGORITHMS, TrainConfig
+from areal_agents.trainer.config import TrainConfig
+from areal_agents.trainer.config_rollout import RolloutConfig
 from areal_agents.trainer.staleness import StalenessGate
 
 EnvFactory = Callable[[], Any]
@@ -86,12 +88,10 @@ class Group(NamedTuple):
 
 @dataclass(frozen=True)
 class SourceSettings:
-    """What every source needs from the config (see the module docstring)."""
+    """What every source needs from the config (see the module docstring): the ``rollout``
+    section itself (batch and group size, staleness, probe), and what the run derives."""
 
-    batch_size: int
-    group_size: int
-    eta: int
-    probe_size: int = 0
+    rollout: RolloutConfig
     min_episodes: int = 2
     """Usable episodes a group needs to be trained on."""
     dynamic_sampling: bool = False
@@ -99,14 +99,45 @@ class SourceSettings:
     redo_lost: bool = False
     """Generate a group with an ``agent_lost`` episode again (else drop the episode)."""
 
+    @property
+    def batch_size(self) -> int:
+        """Groups per training step (``rollout.batch_size``)."""
+        return self.rollout.batch_size
+
+    @property
+    def group_size(self) -> int:
+        """Episodes per group (``rollout.group_size``)."""
+        return self.rollout.group_size
+
+    @property
+    def eta(self) -> int:
+        """The staleness bound (``rollout.max_head_offpolicyness``)."""
+        return self.rollout.max_head_offpolicyness
+
+    @property
+    def probe_size(self) -> int:
+        """Episodes of a group's probe (``rollout.probe_size``; 0 = none)."""
+        return self.rollout.probe_size
+
+    @classmethod
+    def of(
+        cls, batch_size: int, group_size: int, eta: int = 0, probe_size: int = 0, **derived: Any
+    ) -> SourceSettings:
+        """Settings without a whole config (a source built by hand): a ``rollout`` section
+        with these values and the defaults, and ``derived`` fields (``min_episodes``, ...)."""
+        rollout = RolloutConfig(
+            batch_size=batch_size,
+            group_size=group_size,
+            max_head_offpolicyness=eta,
+            probe_size=probe_size,
+        )
+        return cls(rollout, **derived)
+
     @classmethod
     def from_config(cls, cfg: TrainConfig, dynamic_sampling: bool) -> SourceSettings:
         seed = cfg.env.seed if cfg.env.seed is not None else cfg.train.seed * 100_000
         return cls(
-            batch_size=cfg.rollout.batch_size,
-            group_size=cfg.rollout.group_size,
-            eta=cfg.rollout.max_head_offpolicyness,
-            probe_size=cfg.rollout.probe_size,
+            rollout=cfg.rollout,
             min_episodes=2 if cfg.algorithm in GROUP_ALGORITHMS else 1,
             dynamic_sampling=dynamic_sampling,
             seed_base=seed,

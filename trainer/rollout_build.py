@@ -36,7 +36,6 @@ from areal_agents.hardware import default_device, resolve_dtype
 from areal_agents.rollout.runner import Runner
 from areal_agents.rollout.task_agent import load_agent
 from areal_agents.rollout.workers import WorkerHub
-from areal_agents.serve.context import policy_of
 from areal_agents.serve.proxy import Proxy
 from areal_agents.serve.server import LoopServer
 from areal_agents.serve.store import EpisodeStore
@@ -147,7 +146,7 @@ def build_rollout(
         default_max_tokens=cfg.sampling.max_new_tokens,  # for agent calls that set none
         store=store,
         restore=False,  # sessions of an earlier process belong to groups that are gone
-        context_policy=policy_of(cfg),  # context.*: conversations that outgrow the context
+        context_policy=cfg.context,  # context.*: conversations that outgrow the context
     )
     judge = make_judge(cfg.rewards, proxy, out)
     if customer is not None:

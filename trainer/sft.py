@@ -30,14 +30,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from tqdm import tqdm
 
 from areal_agents.errors import ConfigError
 from areal_agents.serve.chat import ChatTokenizer
-from areal_agents.trainer.policy import Policy
+from areal_agents.trainer.protocols import Trainable
 
 
 def _jsonl_rows(p: Path) -> Iterator[tuple[int, Any]]:
@@ -173,8 +173,19 @@ class NllLoss:
         return loss, {"nll": float(loss.detach())}
 
 
+class SftOptions(TypedDict):
+    """:func:`run_sft`'s settings besides the data (from a run's ``sft`` and ``train``)."""
+
+    epochs: int
+    lr: float
+    batch_size: int
+    micro_batch_tokens: int
+    seed: int
+    progress: bool
+
+
 def run_sft(
-    policy: Policy,
+    policy: Trainable,
     tokenizer: ChatTokenizer,
     demos: Sequence[list[dict[str, Any]]],
     tools: list[dict[str, Any]] | None,

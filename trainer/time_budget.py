@@ -10,7 +10,13 @@ evaluation and the export of the final model come after the budget: they are not
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from areal_agents.trainer.protocols import PolicyLoss, Temperature, Trainable
 
 __all__ = ["TimeBoxed", "out_of_time_budget"]
 
@@ -35,7 +41,7 @@ class TimeBoxed:
     steps: :func:`out_of_time_budget`); every batch after that is skipped, so the warm start
     ends within the budget and RL gets what is left of it."""
 
-    def __init__(self, policy: Any, elapsed: Any, limit_s: float) -> None:
+    def __init__(self, policy: Trainable, elapsed: Callable[[], float], limit_s: float) -> None:
         self.policy = policy
         self.elapsed = elapsed
         self.limit_s = limit_s
@@ -47,12 +53,22 @@ class TimeBoxed:
     def set_lr(self, lr: float) -> None:
         self.policy.set_lr(lr)
 
-    def train_step(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+    def train_step(
+        self,
+        seqs: Sequence[Sequence[int]],
+        loss_fn: PolicyLoss,
+        temperature: Temperature,
+        micro_batch_tokens: int = 4096,
+        needed: Sequence[torch.Tensor] | None = None,
+        entropy_grad: bool = False,
+    ) -> dict[str, float]:
         if self.skipped or out_of_time_budget(self.elapsed(), self._longest, self.limit_s):
             self.skipped += 1
             return self._last
         t0 = self.elapsed()
-        self._last = self.policy.train_step(*args, **kwargs)
+        self._last = self.policy.train_step(
+            seqs, loss_fn, temperature, micro_batch_tokens, needed, entropy_grad
+        )
         self._longest = [max([*self._longest, self.elapsed() - t0])]
         self.steps += 1
         return self._last

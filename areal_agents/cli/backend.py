@@ -18,7 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from areal_agents.engines.servers import Launch, split_args, start_server_engine, vllm_lora_rank
+from areal_agents.engines.servers import (
+    Launch,
+    LaunchConfig,
+    start_server_engine,
+    vllm_lora_rank,
+)
 from areal_agents.envs.registry import make
 from areal_agents.errors import ConfigError
 from areal_agents.model import resolve_model
@@ -82,14 +87,17 @@ def load_server_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     path = resolve_model(args.model)
     tokenizer = ChatTokenizer.from_dir(path)
     log = Path(args.engine_log) if args.engine_log else None
-    launch = Launch(
+    settings = LaunchConfig(
         python=args.engine_python,
-        args=split_args(args.engine_args),
+        args=args.engine_args or "",
         port=args.engine_port,
-        log_dir=str(log.parent) if log else None,
-        log_name=log.name if log else None,
         start_timeout_s=args.engine_timeout,
         max_restarts=0,  # serve reports a dead server in /health; its user restarts it
+    )
+    launch = Launch(
+        settings,
+        log_dir=str(log.parent) if log else None,
+        log_name=log.name if log else None,
     )
     rank = args.lora_rank
     if rank and args.backend == "vllm":

@@ -46,7 +46,7 @@ from areal_agents.engines.kv_cache import (
     empty_cache,
     left_pad,
 )
-from areal_agents.engines.protocol import GenerateResult, SamplingParams, WeightUpdate
+from areal_agents.engines.protocol import GenerateResult, KvOnUpdate, SamplingParams, WeightUpdate
 from areal_agents.engines.sampling import sample
 from areal_agents.engines.weights import MergedLora, apply_weight_update
 from areal_agents.errors import BackendError
@@ -133,7 +133,7 @@ class BatchingWorker:
         compute_lock: Any,
         prefix_cache_entries: int,
         merged_lora: MergedLora | None,
-        kv_on_update: str,
+        kv_on_update: KvOnUpdate,
         cpu_time_spans: bool,
     ) -> None:
         self.kv_on_update = kv_on_update

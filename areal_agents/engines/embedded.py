@@ -35,19 +35,24 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from areal_agents.engines.attention import slice_output_projection, use_cascade_attention
 from areal_agents.engines.batching import BatchingWorker, DecodeFn, Request
-from areal_agents.engines.protocol import GenerateResult, SamplingParams, WeightUpdate
+from areal_agents.engines.protocol import (
+    GenerateResult,
+    KvOnUpdate,
+    SamplingParams,
+    WeightUpdate,
+)
 from areal_agents.engines.weights import MergedLora, apply_weight_update
 from areal_agents.errors import BackendError, ContextOverflow, UserError
 from areal_agents.hardware import default_device, resolve_dtype
 
-KV_ON_UPDATE = ("recompute", "keep")
-"""What a weight update does with the KV caches of requests in flight (see the module doc)."""
+KV_ON_UPDATE: tuple[KvOnUpdate, ...] = get_args(KvOnUpdate)
+"""What a weight update may do with the KV caches of requests in flight (the module doc)."""
 
 
 class EmbeddedEngine(BatchingWorker):
@@ -73,7 +78,7 @@ class EmbeddedEngine(BatchingWorker):
         compute_lock: FairLock | None = None,
         prefix_cache_entries: int = 64,
         merged_lora: MergedLora | None = None,
-        kv_on_update: str = "recompute",
+        kv_on_update: KvOnUpdate = "recompute",
         cpu_time_spans: bool = False,
     ) -> None:
         if kv_on_update not in KV_ON_UPDATE:

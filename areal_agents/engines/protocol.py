@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
+KvOnUpdate = Literal["recompute", "keep"]
+"""What a weight update does with the KV caches of requests in flight: recompute drops
+them (each request is prefilled again with the new weights), keep decodes on from them
+(the embedded engine only; see ``areal_agents.engines.embedded``)."""
 
 
 @dataclass(frozen=True)

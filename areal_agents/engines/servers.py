@@ -4,7 +4,8 @@
 ``--engine-url``, ``--engine-python``, ``--engine-args``) all build their server engine
 here, so the two spellings mean the same thing.
 
-* **Launched** (:class:`Launch`): ``servers`` processes started from the engine's own Python
+* **Launched** (:class:`~areal_agents.engines.server_launch.Launch`): ``servers``
+  processes started from the engine's own Python
   (``python -m vllm.entrypoints.openai.api_server`` or ``sglang.launch_server``), started
   side by side. Placement: ``cpus`` are split evenly between the servers (each process and
   its children run on their share; vLLM's CPU build binds its OpenMP threads to it through
@@ -26,15 +27,14 @@ LoRA on vLLM: ``--max-lora-rank`` must be one of :data:`VLLM_LORA_RANKS`
 from __future__ import annotations
 
 import os
-import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from areal_agents.engines.remote import DecodeFn, RemoteEngine
 from areal_agents.engines.router import RoutedEngine
+from areal_agents.engines.server_launch import Launch, LaunchConfig, split_args
 from areal_agents.engines.sglang import SGLangEngine
 from areal_agents.engines.vllm import VLLMEngine
 from areal_agents.engines.weight_files import StagingArea
@@ -57,32 +57,6 @@ def vllm_lora_rank(r: int) -> int:
         f"model.lora.r: {r} is above the largest LoRA rank vLLM serves ({VLLM_LORA_RANKS[-1]}); "
         "lower it"
     )
-
-
-@dataclass(frozen=True)
-class Launch:
-    """How to start the servers (see the module docstring)."""
-
-    servers: int = 1
-    python: str | None = None
-    """The engine environment's Python (None: found as ``find_python`` says)."""
-    module: str | None = None
-    """The server's module (None: the backend's own)."""
-    args: tuple[str, ...] = ()
-    """More command-line flags for every server."""
-    port: int = 0
-    log_dir: str | None = None
-    log_name: str | None = None
-    """The log's file name with one server (default ``<backend>-<i>.log``)."""
-    gpus: int = 0
-    cpus: tuple[int, ...] | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    start_timeout_s: float = 900.0
-    max_restarts: int = 3
-    starter: Callable[..., Any] | None = None
-    """``starter(cls, model, options) -> engine`` starts one server elsewhere (Ray:
-    ``areal_agents.rollout.ray_servers.ray_starter``, where Ray sets the GPUs); None: a
-    child process of this one (``cls.launch(model, **options)``)."""
 
 
 def split_cores(cpus: Sequence[int], servers: int) -> list[list[int]]:
@@ -231,6 +205,15 @@ def _launch_all(
     return started
 
 
-def split_args(args: str | Sequence[str]) -> tuple[str, ...]:
-    """Flags given as one shell-quoted string or as a list."""
-    return tuple(shlex.split(args)) if isinstance(args, str) else tuple(str(a) for a in args)
+__all__ = [
+    "BACKENDS",
+    "SERVER_MODULES",
+    "VLLM_LORA_RANKS",
+    "Launch",
+    "LaunchConfig",
+    "server_env",
+    "split_args",
+    "split_cores",
+    "start_server_engine",
+    "vllm_lora_rank",
+]

@@ -92,6 +92,7 @@ from areal_agents import spans
 from areal_agents.engines.protocol import (
     Engine,
     GenerateResult,
+    KvOnUpdate,
     SamplingParams,
     WeightUpdate,
     accepts_route_key,
@@ -201,7 +202,7 @@ class EmbeddedSpec:
     max_batch_size: int = 64
     max_context: int | None = None
     cpus: tuple[int, ...] | None = None
-    kv_on_update: str = "recompute"
+    kv_on_update: KvOnUpdate = "recompute"
     idle_priority: bool = False
 
     @property

@@ -13,8 +13,8 @@ Ray sets ``CUDA_VISIBLE_DEVICES`` for a host that asks for GPUs, and the server 
 Example (what :func:`areal_agents.trainer.engine_build.build_engine` does)::
 
     connect()
-    engine = start_server_engine("vllm", model_dir, launch=Launch(servers=2, gpus=1,
-                                 starter=ray_starter()))
+    launch = Launch(LaunchConfig(servers=2, gpus=1), starter=ray_starter())
+    engine = start_server_engine("vllm", model_dir, launch=launch)
 """
 
 from __future__ import annotations

@@ -48,11 +48,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
 from areal_agents.trajectory import Completion, message_key
 
-POLICIES = ("fail", "truncate_tool_results", "summarize")
+PolicyName = Literal["fail", "truncate_tool_results", "summarize"]
+POLICIES: tuple[PolicyName, ...] = get_args(PolicyName)
 """The values of :attr:`ContextPolicy.policy`."""
 
 SUMMARY_PREFIX = "Summary of the earlier part of this conversation, shortened to fit the context:"
@@ -69,26 +70,38 @@ SUMMARY_INSTRUCTION = (
 
 @dataclass(frozen=True)
 class ContextPolicy:
-    """What the proxy does with a request that would outgrow the model's context (see the
-    module docstring). Checked when built: a ``ValueError`` names each bad field."""
+    """What the proxy does with a conversation that outgrows the model's context
+    (``model.max_context``), for env-driven, in-process and external agents alike
+    (:mod:`areal_agents.serve.context`); a wrong value is a ``ValueError`` naming the field."""
 
-    policy: str = "fail"
-    """``fail``, ``truncate_tool_results`` or ``summarize``."""
+    policy: PolicyName = "fail"
+    """``fail``: the call is a 400 ``context_length_exceeded`` and the episode ends as
+    ``context_overflow``. ``truncate_tool_results``: the oldest tool results are replaced by
+    a marker until the prompt leaves ``reserve_tokens`` free. ``summarize``: the model
+    summarizes the older turns (a recorded call of its own) and they are sent as that
+    summary; truncation when the summary does not make it fit. A rewritten call starts a
+    new segment: a training sample of its own, its returns still along the episode's tree."""
     reserve_tokens: int = 512
-    """Tokens kept free for the answer: a rewriting policy rewrites a request once prompt
-    + this would exceed the context. Not used by ``fail``."""
+    """Tokens kept free for the answer: a request is rewritten once its prompt + this would
+    exceed the context (the rewriting policies only)."""
     keep_last_turns: int = 2
     """The last this many turns (a turn starts at an assistant message and holds the tool
-    results and user messages after it) are never truncated nor summarized; 0 = none kept."""
+    results and user messages after it) are never truncated nor summarized; 0 = none kept
+    (the rewriting policies only)."""
     summary_max_tokens: int = 512
-    """``summarize``: the longest summary, in tokens."""
+    """``summarize``: the longest summary in tokens."""
     summary_trained: bool = False
     """``summarize``: train the summary calls like the agent's own (sampled at the
-    request's temperature); else they are greedy and carry no loss."""
+    request's temperature); false: they are greedy and carry no loss."""
 
     def __post_init__(self) -> None:
         if problems := self.problems():
             raise ValueError("invalid context policy: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        """The checks of a config section (``areal_agents.trainer.config_io`` runs them on
+        the ``context`` section, which it builds without ``__post_init__``)."""
+        return self.problems()
 
     def problems(self, max_context: int | None = None) -> list[str]:
         """What is wrong with these values (and, given ``max_context``, with the token
@@ -96,10 +109,11 @@ class ContextPolicy:
         out = []
         if self.policy not in POLICIES:
             out.append(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name, low in (("reserve_tokens", 0), ("keep_last_turns", 0), ("summary_max_tokens", 1)):
+        lows = (("reserve_tokens", 0, ""), ("keep_last_turns", 0, " (0 = no turn kept whole)"))
+        for name, low, note in (*lows, ("summary_max_tokens", 1, "")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                out.append(f"{name}: must be an integer >= {low}, got {value!r}")
+                out.append(f"{name}: must be an integer >= {low}{note}, got {value!r}")
         if not isinstance(self.summary_trained, bool):
             out.append(f"summary_trained: must be true or false, got {self.summary_trained!r}")
         if max_context is not None and not out:  # what this policy uses must fit
@@ -121,7 +135,7 @@ class ContextPolicy:
         if isinstance(value, ContextPolicy):
             return value
         if isinstance(value, str):
-            return cls(policy=value)
+            return cls(policy=value)  # type: ignore[arg-type]  # checked when built
         if isinstance(value, Mapping):
             known = {f.name for f in fields(cls)}
             if unknown := sorted(set(value) - known):
@@ -134,19 +148,6 @@ class ContextPolicy:
             f"context_policy: expected a ContextPolicy, a mapping or a policy name, got "
             f"{type(value).__name__}"
         )
-
-
-def policy_of(cfg: Any) -> ContextPolicy:
-    """The context policy of a training config (``areal_agents.trainer.config.TrainConfig``): its
-    ``context`` section, for the proxy the trainer builds."""
-    section = cfg.context
-    return ContextPolicy(
-        policy=section.policy,
-        reserve_tokens=section.reserve_tokens,
-        keep_last_turns=section.keep_last_turns,
-        summary_max_tokens=section.summary_max_tokens,
-        summary_trained=section.summary_trained,
-    )
 
 
 # ---------------------------------------------------------------------- where to rewrite
@@ -273,7 +274,6 @@ __all__ = [
     "SUMMARY_INSTRUCTION",
     "SUMMARY_PREFIX",
     "ContextPolicy",
-    "policy_of",
     "previous_summary",
     "summary_message",
     "summary_request",

@@ -13,8 +13,10 @@ by its section:
   (``o = cfg.optim`` then ``o.warmup_steps``);
 * ``getattr(<...>.<section>, "<name>"``;
 * top-level keys: ``cfg.<name>``;
-* the ``loss.*`` keys that ``areal_agents.trainer.loop.LOSS_OVERRIDES`` copies into the algorithm's
-  ``LossSpec`` by name (``getattr(cfg.loss, n) for n in LOSS_OVERRIDES``).
+* a section of overrides of the algorithm's preset (``loss``, ``advantage``: made by
+  ``areal_agents.trainer.algorithms.overrides_of`` from ``LossSpec`` / ``AdvantageSpec``,
+  which ``resolve`` copies whole): the field of the resolved spec, read as
+  ``spec.<name>`` or ``spec.<section>.<name>`` (``spec`` or any ``*_spec`` / ``*spec``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ CONFIG_MODULES = {
     for name in ("config.py", "config_rollout.py", "config_checks.py", "config_io.py")
 }
 
+SECTION_ALIASES: dict[str, tuple[str, ...]] = {
+    # Sections whose class is an object of a lower layer, read under its own name there.
+    "context": ("policy",),  # serve.context.ContextPolicy, read in serve/fitting.py
+    "launch": ("launch",),  # engines.server_launch.LaunchConfig, read through a Launch
+}
+
 ALLOWED: dict[str, str] = {
     # Keys consumed inside the config modules themselves, each with the reason. Keep this minimal.
 }
@@ -41,6 +49,16 @@ ALLOWED: dict[str, str] = {
 
 def _is_section(tp: object) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _overrides() -> set[str]:
+    """The sections made by ``overrides_of``."""
+    hints = typing.get_type_hints(TrainConfig)
+    return {
+        f.name
+        for f in dataclasses.fields(TrainConfig)
+        if hasattr(hints[f.name], "__overrides_of__")
+    }
 
 
 def _keys(cls: type, prefix: str = "") -> list[str]:
@@ -71,13 +89,11 @@ def _is_read(key: str, text: str) -> bool:
     n = re.escape(name)
     if not parents:
         return re.search(rf"\bcfg\.{n}\b", text) is not None
-    if parents == ["loss"]:
-        from areal_agents.trainer.loop import LOSS_OVERRIDES
-
-        if name in LOSS_OVERRIDES:
-            return True
     sec = re.escape(parents[-1])
+    if parents[0] in _overrides():
+        return re.search(rf"\b\w*spec\.(?:{sec}\.)?{n}\b", text) is not None
     aliases = set(re.findall(rf"^\s*(\w+)\s*=\s*[\w.]*\.{sec}\s*$", text, re.MULTILINE))
+    aliases |= set(SECTION_ALIASES.get(parents[-1], ()))
     patterns = [
         rf"\.{sec}\.{n}\b",
         rf"getattr\(\s*[\w.]*\.{sec}\s*,\s*['\"]{n}['\"]",
@@ -96,6 +112,10 @@ def test_the_search_finds_a_read_and_misses_an_unread_key() -> None:
     text = "o = cfg.optim\nx = o.warmup_steps\ny = cfg.model.lora.r\nz = engine.max_context\n"
     assert _is_read("optim.warmup_steps", text) and _is_read("model.lora.r", text)
     assert not _is_read("model.max_context", text)  # an engine's attribute is not the key
+    assert _overrides() == {"loss", "advantage"}
+    overrides = "a = spec.loss.proximal\nif spec.kl_coef:\n"
+    assert _is_read("loss.proximal", overrides) and _is_read("loss.kl_coef", overrides)
+    assert not _is_read("loss.agg", overrides + "x.agg\ncfg.loss.agg\n")  # the spec's field
 
 
 def test_every_config_key_is_read_outside_the_config_module() -> None:

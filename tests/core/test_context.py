@@ -370,7 +370,7 @@ def test_config_and_policy_errors_name_the_fix(tok):
         "'summarise'; did you mean 'summarize'?"
     ]
     assert problems("context.policy=summarize", "context.keep_last_turns=-1") == [
-        "context.keep_last_turns: must be >= 0 (0 = no turn kept whole), got -1"
+        "context.keep_last_turns: must be an integer >= 0 (0 = no turn kept whole), got -1"
     ]
     assert problems("context.summary_trained=true", "context.policy=truncate_tool_results") == [
         "context.summary_trained: set, but context.policy=truncate_tool_results does not use "
@@ -397,9 +397,7 @@ def test_config_and_policy_errors_name_the_fix(tok):
         in problems("context.policy=truncate_tool_results", "scheduler=ray")[0]
     )
     cfg = load_config(None, ["env.id=areal/Calculator-v0", "context.policy=summarize"])
-    from areal_agents.serve.context import policy_of
-
-    assert policy_of(cfg) == ContextPolicy(policy="summarize")
+    assert cfg.context == ContextPolicy(policy="summarize")  # the section is the proxy's policy
 
     with pytest.raises(ValueError, match="policy: must be one of fail, truncate_tool_results"):
         ContextPolicy(policy="drop")

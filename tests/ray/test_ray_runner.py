@@ -335,7 +335,7 @@ async def test_ray_source_passes_the_group_source_conformance_check(pool, check_
 
     _, runner = pool
     state = RunState()
-    settings = SourceSettings(batch_size=2, group_size=3, eta=0)
+    settings = SourceSettings.of(batch_size=2, group_size=3, eta=0)
     src = RaySource(settings, state, runner, make_env)
     await src.start(version=0)
     try:

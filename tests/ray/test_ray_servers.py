@@ -23,14 +23,11 @@ FAKE = "areal_agents.testing.fake_sglang"
 def test_a_server_on_a_ray_actor_is_restarted_there_after_a_kill(
     cluster: Any, tiny_model_dir: Path
 ) -> None:
-    from areal_agents.engines.servers import Launch, start_server_engine
+    from areal_agents.engines.servers import Launch, LaunchConfig, start_server_engine
     from areal_agents.rollout.ray_servers import RayServer, ray_starter
 
     launch = Launch(
-        python=sys.executable,
-        module=FAKE,
-        max_restarts=1,
-        start_timeout_s=120,
+        LaunchConfig(python=sys.executable, module=FAKE, max_restarts=1, start_timeout_s=120),
         starter=ray_starter(cpus_per_server=0.5),
     )
     engine = start_server_engine("sglang", str(tiny_model_dir), launch=launch)

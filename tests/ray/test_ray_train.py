@@ -121,7 +121,7 @@ def test_trainer_ranks_as_ray_actors_take_the_step_one_process_takes(cluster, na
 
     from areal_agents.trainer.critic import Critic
     from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy, RayRanks
-    from areal_agents.trainer.loop import _algorithm, model_kwargs
+    from areal_agents.trainer.model_build import model_kwargs
     from areal_agents.trainer.policy import Policy
 
     dr = _dist_ranks()
@@ -135,7 +135,7 @@ def test_trainer_ranks_as_ray_actors_take_the_step_one_process_takes(cluster, na
     try:
         for name in ("grpo-lora", "ppo-full"):
             cfg = dr.case_config(name, model)
-            policy_kw, critic_kw = model_kwargs(cfg, _algorithm(cfg), model)
+            policy_kw, critic_kw = model_kwargs(cfg, cfg.algorithm_spec(), model)
             torch.manual_seed(0)
             one = Policy(**policy_kw)
             one_critic = None if critic_kw is None else Critic(**critic_kw)

@@ -87,18 +87,15 @@ def case_config(name: str, model: str) -> Any:
 def train_steps(policy: Any, critic: Any, episodes: list, cfg: Any, steps: range) -> list[dict]:
     """``train_on_batch`` on the same episodes for ``steps``; each step's loss and norms, and
     sums over the ``train_tokens`` rows its records give (on ranks: gathered by rank 0)."""
-    from areal_agents.trainer.batch import build_batch, train_token_rows
-    from areal_agents.trainer.loop import _algorithm
-    from areal_agents.trainer.step import train_on_batch
+    from areal_agents.trainer.batch import build_batch
+    from areal_agents.trainer.step import train_on_batch, train_token_rows
 
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     out = []
     for version in steps:
-        batch, bstats = build_batch(
-            episodes, spec, cfg.rollout.gamma, cfg.sampling.max_new_tokens, 1.0
-        )
-        records: list = []
-        stats = train_on_batch(policy, critic, batch, bstats, spec, cfg, version, records)
+        batch, _ = build_batch(episodes, spec, cfg.rollout.gamma, cfg.sampling.max_new_tokens, 1.0)
+        done = train_on_batch(policy, critic, batch, spec, cfg, version, record=True)
+        stats, records = done.stats, done.records
         step = {
             k: stats[k]
             for k in ("loss", "grad_norm", "value_grad_norm", "value_loss")
@@ -115,7 +112,7 @@ def train_steps(policy: Any, critic: Any, episodes: list, cfg: Any, steps: range
 def _parity(data_path: str, out_dir: str) -> None:
     from areal_agents.trainer import fsdp
     from areal_agents.trainer.distributed import DistributedCritic, DistributedPolicy, Ranks, serve
-    from areal_agents.trainer.loop import _algorithm, model_kwargs
+    from areal_agents.trainer.model_build import model_kwargs
 
     data = pickle.loads(Path(data_path).read_bytes())
     if fsdp.rank() != 0:
@@ -128,7 +125,7 @@ def _parity(data_path: str, out_dir: str) -> None:
     for name, how in jobs:
         cfg = case_config(name, data["model"])
         torch.manual_seed(0)  # the one process's adapters and head start from this seed
-        policy_kw, critic_kw = model_kwargs(cfg, _algorithm(cfg), data["model"])
+        policy_kw, critic_kw = model_kwargs(cfg, cfg.algorithm_spec(), data["model"])
         policy = DistributedPolicy(ranks, ranks.build("policy", "policy", policy_kw))
         critic = None
         if critic_kw is not None:
@@ -151,7 +148,7 @@ def _parity(data_path: str, out_dir: str) -> None:
             critic.save(out / key / "critic")
     cfg = case_config(SFT_CASE, data["model"])
     torch.manual_seed(0)
-    policy_kw, _ = model_kwargs(cfg, _algorithm(cfg), data["model"])
+    policy_kw, _ = model_kwargs(cfg, cfg.algorithm_spec(), data["model"])
     policy = DistributedPolicy(ranks, ranks.build("policy", "policy", policy_kw))
     results["sft"] = warm_start(policy, data["model"])
     torch.save(policy.weight_update(1).state_dict, out / "sft.weights.pt")

@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from areal_agents.errors import ConfigError
+from areal_agents.trainer.advantage import gae, group_advantages_of, overlong_penalty
 from areal_agents.trainer.algorithms import (
     ALGORITHMS,
     AdvantageSpec,
     AlgorithmSpec,
+    CriticConfig,
     LossSpec,
     check_async_correction,
     get_algorithm,
 )
+from areal_agents.trainer.loss import loss_weights, policy_loss, value_loss
 
 # The shared batch: two groups of two single-turn episodes, one row each.
 #   g1: e0 (R = 1, 2 tokens), e1 (R = 0, 1 token);  g2: e2 (R = 1, 2 tokens), e3 (R = 1, 1 token)
@@ -66,10 +69,10 @@ CASES: dict[str, tuple[list[float], float]] = {
 
 def run(name: str, log_ratios: torch.Tensor | None = None, **inputs: Any):
     spec = get_algorithm(name)
-    adv = spec.advantage.group(R, GROUPS, EPISODES)
+    adv = group_advantages_of(spec.advantage, R, GROUPS, EPISODES)
     logp = torch.full((4, 2), math.log(1.25)) if log_ratios is None else log_ratios
     logp = logp.clone().requires_grad_(True)
-    loss, stats = spec.loss.policy_loss(logp, torch.zeros(4, 2), None, adv, MASK, **inputs)
+    loss, stats = policy_loss(logp, torch.zeros(4, 2), None, adv, MASK, spec.loss, **inputs)
     return adv, loss, stats, logp
 
 
@@ -102,19 +105,20 @@ def test_ppo_by_hand():
     # deltas: 0.6 - 0.5 = 0.1, 0.7 - 0.6 = 0.1, 1 - 0.7 = 0.3
     # A2 = 0.3; A1 = 0.1 + 0.95 * 0.3 = 0.385; A0 = 0.1 + 0.95 * 0.385 = 0.46575
     spec = get_algorithm("ppo")
-    assert spec.needs_critic and spec.advantage.whiten  # whitening spans a batch: the loop's
+    assert spec.critic is not None and spec.critic.whiten  # whitening spans a batch: the loop's
+    assert (spec.critic.lam, spec.critic.value_clip) == (0.95, 0.2)
     values = torch.tensor([[0.5, 0.6, 0.7]])
     mask = torch.ones(1, 3)
-    adv, ret = spec.advantage.gae(torch.tensor([[0.0, 0.0, 1.0]]), values, mask)
+    adv, ret = gae(torch.tensor([[0.0, 0.0, 1.0]]), values, mask, 1.0, spec.critic.lam)
     torch.testing.assert_close(adv, torch.tensor([[0.46575, 0.385, 0.3]]))
     # r = 1: policy loss = -mean(A) = -0.383583
-    loss, _ = spec.loss.policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), None, adv, mask)
+    loss, _ = policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), None, adv, mask, spec.loss)
     assert loss.item() == pytest.approx(-(0.46575 + 0.385 + 0.3) / 3, abs=1e-6)
     # value loss with V = V_old: 0.5 * mean(A^2) = 0.5 * (0.216923 + 0.148225 + 0.09) / 3
-    vloss, _ = spec.loss.value_loss(values, values, ret, mask)
+    vloss, _ = value_loss(values, values, ret, mask, clip=spec.critic.value_clip)
     assert vloss.item() == pytest.approx(0.5 * (0.46575**2 + 0.385**2 + 0.09) / 3, abs=1e-6)
     with pytest.raises(ConfigError, match="gae"):
-        spec.advantage.group(R, GROUPS, EPISODES)
+        group_advantages_of(spec.advantage, R, GROUPS, EPISODES)
 
 
 def test_every_algorithm_is_checked_by_hand():
@@ -142,7 +146,7 @@ def test_dapo_flags_and_overlong_penalty():
     assert spec.dynamic_sampling and spec.loss.clip_high == 0.28 and spec.loss.clip_low == 0.2
     assert spec.overlong is not None
     # budget 10, default cache 20% = 2: free up to 8; 9 -> (8 - 9)/2 = -0.5; 10 -> -1; 11 -> -1
-    pen = spec.overlong.penalty(torch.tensor([8, 9, 10, 11]), max_len=10)
+    pen = overlong_penalty(torch.tensor([8, 9, 10, 11]), 10, spec.overlong.cache(10))
     torch.testing.assert_close(pen, torch.tensor([0.0, -0.5, -1.0, -1.0]))
     assert not get_algorithm("grpo").dynamic_sampling
 
@@ -151,8 +155,8 @@ def test_gspo_treats_each_completion_of_a_merged_row_as_a_sequence():
     spec = get_algorithm("gspo")
     logp = torch.tensor([[0.1, 0.3, -0.2, 0.0, -0.1]])
     kw = dict(segment_ids=torch.tensor([[0, 0, 1, 1, 1]]))
-    _, stats = spec.loss.policy_loss(
-        logp, torch.zeros(1, 5), None, torch.ones(1, 5), torch.ones(1, 5), **kw
+    _, stats = policy_loss(
+        logp, torch.zeros(1, 5), None, torch.ones(1, 5), torch.ones(1, 5), spec.loss, **kw
     )
     # segment ratios exp(0.2) and exp(-0.1): mean over tokens (2 * 1.221403 + 3 * 0.904837) / 5
     assert stats["ratio_mean"] == pytest.approx((2 * math.exp(0.2) + 3 * math.exp(-0.1)) / 5)
@@ -163,9 +167,9 @@ def test_episode_weighting_through_the_spec():
     tc = torch.full((6, 4), -1)
     tc[:5, :2] = 0
     tc[5] = 0
-    w = get_algorithm("grpo").loss.weights(tc, ["long"] * 5 + ["short"])
+    w = loss_weights(get_algorithm("grpo").loss, tc, ["long"] * 5 + ["short"])
     assert w[:5].sum().item() == pytest.approx(w[5].sum().item()) == pytest.approx(0.5)
-    wt = get_algorithm("dapo").loss.weights(tc, ["long"] * 5 + ["short"])  # token level
+    wt = loss_weights(get_algorithm("dapo").loss, tc, ["long"] * 5 + ["short"])  # token level
     assert w[:5].sum().item() < wt[:5].sum().item()
 
 
@@ -193,10 +197,12 @@ def test_specs_are_frozen_and_validated():
     with pytest.raises(ConfigError) as info:
         LossSpec(behaviour_cap=0.5, sapo_tau_pos=1.0)
     assert len(info.value.problems) == 2  # every problem at once
-    with pytest.raises(ConfigError, match="gamma"):
-        AdvantageSpec(gamma=1.5)
+    with pytest.raises(ConfigError, match="omega"):
+        AdvantageSpec(omega=-1.0)
     with pytest.raises(ConfigError, match="critic"):
-        AlgorithmSpec("x", "ref", AdvantageSpec(), LossSpec(), needs_critic=True)
+        AlgorithmSpec("x", "ref", AdvantageSpec(), LossSpec(), critic=CriticConfig())
+    with pytest.raises(ConfigError, match="critic"):
+        AlgorithmSpec("x", "ref", AdvantageSpec(estimator="gae"), LossSpec())
 
 
 def test_async_without_a_correction_is_refused():
@@ -221,15 +227,13 @@ def test_every_algorithm_gives_the_same_numbers_on_cuda():
         out = {}
         for dev in ("cpu", "cuda"):
             if spec.needs_critic:
-                adv = spec.advantage.gae(
-                    R[:, None].expand(4, 2).to(dev), logp.to(dev), MASK.to(dev)
-                )[0]
+                adv = gae(R[:, None].expand(4, 2).to(dev), logp.to(dev), MASK.to(dev), 1.0, 0.95)[0]
             else:
-                adv = spec.advantage.group(R.to(dev), GROUPS, EPISODES)
-            w = spec.loss.weights(tc.to(dev), EPISODES, max_tokens=4)
+                adv = group_advantages_of(spec.advantage, R.to(dev), GROUPS, EPISODES)
+            w = loss_weights(spec.loss, tc.to(dev), EPISODES, max_tokens=4)
             x = logp.to(dev).requires_grad_(True)
-            loss, stats = spec.loss.policy_loss(
-                x, torch.zeros(4, 2, device=dev), None, adv, MASK.to(dev), weights=w,
+            loss, stats = policy_loss(
+                x, torch.zeros(4, 2, device=dev), None, adv, MASK.to(dev), spec.loss, weights=w,
                 segment_ids=tc.to(dev), ref_logp=torch.zeros(4, 2, device=dev),
             )  # fmt: skip
             loss.backward()
@@ -237,3 +241,19 @@ def test_every_algorithm_gives_the_same_numbers_on_cuda():
             out[dev] = (loss.item(), x.grad.cpu(), stats)
         assert out["cuda"][0] == pytest.approx(out["cpu"][0], abs=1e-5), name
         torch.testing.assert_close(out["cuda"][1], out["cpu"][1], rtol=1e-4, atol=1e-5)
+
+
+def test_the_registry_is_where_the_facts_come_from():
+    """The config's ``algorithm`` values and the facts it checks against are the registry's."""
+    import typing
+
+    from areal_agents.trainer.algorithms import (
+        CRITIC_ALGORITHMS,
+        DYNAMIC_SAMPLING_ALGORITHMS,
+        GROUP_ALGORITHMS,
+        AlgorithmName,
+    )
+
+    assert tuple(ALGORITHMS) == typing.get_args(AlgorithmName)
+    assert set(ALGORITHMS) - GROUP_ALGORITHMS == {"ppo", "reinforce_pp"}  # no group baseline
+    assert [sorted(CRITIC_ALGORITHMS), sorted(DYNAMIC_SAMPLING_ALGORITHMS)] == [["ppo"], ["dapo"]]

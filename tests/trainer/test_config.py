@@ -68,15 +68,21 @@ optim:
 loss:
   clip_low: 0.2
   clip_high: 0.28
+  ratio_level: sequence
   behaviour_correction: none
   behaviour_cap: 3
   proximal: loglinear
   kl_coef: 0.001
+  kl_estimator: k2
   entropy_coef: 0.01
   agg: sum_norm
   weighting: token
+  sapo_tau_pos: null
+  sapo_tau_neg: null
+  m2po_tau: null
 critic: {path: null, lr: 1.0e-5, lam: 0.95, value_clip: 0.2, whiten: true}
-advantage: {estimator: step_group, omega: 0.5, step_scale: none}
+advantage:
+  {estimator: step_group, baseline: rloo, scale: none, eps: 1.0e-5, omega: 0.5, step_scale: none}
 train:
   micro_batch_tokens: 8192
   share_prefixes: false
@@ -176,6 +182,16 @@ def test_full_yaml_is_read_into_every_field(tmp_path: Path) -> None:
     assert cfg.sft.kind == "episodes" and cfg.sft.lr == 1e-5
     assert cfg.metrics.tensorboard is False
     assert (cfg.advantage.estimator, cfg.advantage.omega) == ("step_group", 0.5)
+    assert (cfg.advantage.baseline, cfg.advantage.scale, cfg.advantage.eps) == (
+        "rloo",
+        "none",
+        1e-5,
+    )
+    assert (cfg.loss.ratio_level, cfg.loss.kl_estimator) == ("sequence", "k2")
+    spec = cfg.algorithm_spec()  # every override on dapo's preset
+    assert (spec.loss.ratio_level, spec.loss.behaviour_cap, spec.advantage.baseline) == (
+        "sequence", 3.0, "rloo",
+    )  # fmt: skip
     assert cfg.rewards.judge.rubric["correct"]["weight"] == 2.0
     assert (cfg.rewards.judge.calibration, cfg.rewards.judge.min_auc) == ("judge_labels.jsonl", 0.6)
     assert (cfg.rewards.judge_weight, cfg.rewards.env_weight) == (0.5, 0.8)
@@ -217,8 +233,8 @@ def test_defaults_need_only_the_env_id(tmp_path: Path) -> None:
     assert cfg.algorithm == "grpo"
     assert cfg.rollout.group_size >= 2 and cfg.rollout.max_head_offpolicyness > 0
     # The loss is the algorithm's own unless a value is given (null = the algorithm's).
-    loss = dataclasses.asdict(cfg.loss)
-    assert loss.pop("proximal") == "recompute" and set(loss.values()) == {None}
+    assert set(dataclasses.asdict(cfg.loss).values()) == {None}
+    assert cfg.algorithm_spec().loss.proximal == "recompute"
     assert cfg.scheduler == "local" and cfg.model.lora.enabled is False
     assert load_config(None, ["env.id=areal/Math-v0"]) == cfg
     assert load_config(write(tmp_path, "", "empty.yaml"), ["env.id=areal/Math-v0"]) == cfg
@@ -505,14 +521,11 @@ def test_group_size_one_only_without_a_group_baseline(algorithm: str, allowed: b
 
 
 def test_critic_section_checks_values_and_defaults_equal_the_ppo_spec() -> None:
-    from areal_agents.trainer.algorithms import ALGORITHMS, get_algorithm
-    from areal_agents.trainer.config import CRITIC_ALGORITHMS, CriticConfig
+    from areal_agents.trainer.algorithms import ALGORITHMS, CRITIC_ALGORITHMS, get_algorithm
+    from areal_agents.trainer.config import CriticConfig
 
-    assert {n for n, s in ALGORITHMS.items() if s.needs_critic} == CRITIC_ALGORITHMS
-    ppo, default = get_algorithm("ppo"), CriticConfig()
-    assert (default.lam, default.value_clip, default.whiten) == (
-        ppo.advantage.lam, ppo.loss.value_clip, ppo.advantage.whiten,
-    )  # fmt: skip
+    assert {n for n, s in ALGORITHMS.items() if s.needs_critic} == CRITIC_ALGORITHMS == {"ppo"}
+    assert get_algorithm("ppo").critic == CriticConfig()  # the section is what the critic gets
     cfg = load_config(None, ["env.id=x", "algorithm=ppo", "critic.lr=3e-5", "critic.path=/m"])
     assert cfg.critic == CriticConfig(path="/m", lr=3e-5)
     problems = problems_of(
@@ -533,19 +546,33 @@ def test_critic_settings_without_a_critic_algorithm_name_the_fix() -> None:
     assert load_config(None, ["env.id=x", "critic.lam=0.95"]).algorithm == "grpo"
 
 
-def test_every_loss_key_reaches_the_loss_spec_or_the_loop():
-    """A ``loss.*`` key is a LossSpec field of the same name (set by ``_algorithm``), or
-    ``proximal`` (read by the loop): no key is validated and then ignored."""
+def test_every_loss_key_reaches_the_loss_spec():
+    """The ``loss`` section is made from ``LossSpec`` (``overrides_of``): each key is a
+    LossSpec field of the same name, which ``resolve`` sets; no key is validated and then
+    ignored, and a null key leaves the algorithm's own value."""
     import dataclasses
 
+    from areal_agents.trainer.algorithms import LossSpec, get_algorithm
     from areal_agents.trainer.config import LossConfig
-    from areal_agents.trainer.loop import LOSS_OVERRIDES, _algorithm
 
-    names = {f.name for f in dataclasses.fields(LossConfig)}
-    assert names - set(LOSS_OVERRIDES) == {"proximal"}
-    cfg = load_config(None, ["env.id=x", "loss.clip_high=0.28", "loss.agg=sum", "loss.kl_coef=0.1"])
-    spec = _algorithm(cfg).loss
-    assert (spec.clip_high, spec.agg, spec.kl_coef) == (0.28, "sum", 0.1)
+    names = [f.name for f in dataclasses.fields(LossConfig)]
+    assert names == [f.name for f in dataclasses.fields(LossSpec)]
+    overrides = [
+        "loss.clip_high=0.28",
+        "loss.agg=sum",
+        "loss.kl_coef=0.1",
+        "loss.proximal=loglinear",
+    ]
+    cfg = load_config(None, ["env.id=x", "algorithm=dapo", *overrides])
+    spec = cfg.algorithm_spec().loss
+    assert (spec.clip_high, spec.agg, spec.kl_coef, spec.proximal) == (
+        0.28,
+        "sum",
+        0.1,
+        "loglinear",
+    )
+    dapo = get_algorithm("dapo").loss
+    assert (spec.clip_low, spec.weighting) == (dapo.clip_low, dapo.weighting) == (0.2, "token")
 
 
 def test_trainer_ranks_are_checked_before_the_run():

@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from areal_agents.engines.servers import Launch, server_env, split_cores, vllm_lora_rank
+from areal_agents.engines.servers import (
+    Launch,
+    LaunchConfig,
+    server_env,
+    split_cores,
+    vllm_lora_rank,
+)
 from areal_agents.errors import ConfigError
 from areal_agents.trainer.config_io import load_config
 from areal_agents.trainer.engine_build import check_lora_targets, first_sync
@@ -115,12 +121,12 @@ def test_vllm_lora_rank_is_the_smallest_it_accepts() -> None:
 
 def test_cores_are_split_evenly_and_bound_for_vllm() -> None:
     assert split_cores([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
-    launch = Launch(servers=2, cpus=(4, 5, 6, 7))
+    launch = Launch(LaunchConfig(servers=2), cpus=(4, 5, 6, 7))
     env, cores = server_env("vllm", launch, 1)
     assert cores == [6, 7] and env["VLLM_CPU_OMP_THREADS_BIND"] == "6,7"
-    env, cores = server_env("sglang", Launch(servers=2, gpus=2), 1)
+    env, cores = server_env("sglang", Launch(LaunchConfig(servers=2, gpus=2)), 1)
     assert cores is None and env["CUDA_VISIBLE_DEVICES"] == "2,3"
-    given = Launch(env={"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, cpus=(0, 1))
+    given = Launch(LaunchConfig(env={"VLLM_CPU_OMP_THREADS_BIND": "0-3"}), cpus=(0, 1))
     assert server_env("vllm", given, 0)[0]["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
 
 

@@ -19,7 +19,7 @@ import torch
 
 from areal_agents.trainer.critic import Critic
 from areal_agents.trainer.distributed import RankFailed, group_parts, run_ranks
-from areal_agents.trainer.loop import _algorithm, model_kwargs
+from areal_agents.trainer.model_build import model_kwargs
 from areal_agents.trainer.policy import Policy
 from areal_agents.trajectory import Completion, Episode
 
@@ -75,7 +75,7 @@ def _episodes(policy: Policy) -> list[Episode]:
 
 def _one_process(name: str, model: str) -> tuple[Policy, Critic | None, Any]:
     cfg = dist_ranks.case_config(name, model)
-    policy_kw, critic_kw = model_kwargs(cfg, _algorithm(cfg), model)
+    policy_kw, critic_kw = model_kwargs(cfg, cfg.algorithm_spec(), model)
     policy = Policy(**policy_kw)
     critic = None if critic_kw is None else Critic(**critic_kw)
     return policy, critic, cfg

@@ -67,7 +67,7 @@ async def test_calls_in_flight_at_the_end_of_an_external_run_get_409_or_503(
     hub = WorkerHub(proxy, TOKEN, heartbeat_timeout_s=30.0)
     server = LoopServer(proxy)
     runner = Runner(proxy, base_url=server.base_url)
-    settings = SourceSettings(batch_size=1, group_size=2, eta=0)
+    settings = SourceSettings.of(batch_size=1, group_size=2, eta=0)
     source = ExternalSource(
         settings, RunState(), runner, lambda: envs.make("test/ShutdownEcho-v0"), hub, server
     )

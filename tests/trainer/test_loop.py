@@ -19,21 +19,15 @@ import torch
 from areal_agents.errors import ConfigError
 from areal_agents.run_state import read_run_state
 from areal_agents.trainer.algorithms import ALGORITHMS
-from areal_agents.trainer.batch import (
-    add_gae,
-    build_batch,
-    make_loss_fn,
-    make_value_loss_fn,
-    split_batch,
-)
+from areal_agents.trainer.batch import add_gae, build_batch, split_batch
 from areal_agents.trainer.checkpoint import RunState
 from areal_agents.trainer.config_io import load_config
 from areal_agents.trainer.critic import Critic
-from areal_agents.trainer.loop import Trainer, _algorithm
+from areal_agents.trainer.loop import Trainer
 from areal_agents.trainer.policy import Policy, pack
 from areal_agents.trainer.rollout import GroupSource, SourceSettings
 from areal_agents.trainer.staleness import StalenessGate
-from areal_agents.trainer.step import policy_updates
+from areal_agents.trainer.step import make_loss_fn, make_value_loss_fn, policy_updates
 from areal_agents.trainer.time_budget import out_of_time_budget
 from areal_agents.trajectory import Completion, Episode
 
@@ -268,7 +262,7 @@ def test_every_algorithm_trains_two_steps(narrow_model_dir, name):
             "sampling.max_new_tokens=16",
         ],
     )
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     before = {k: v.clone() for k, v in policy.model.named_parameters()}
     for step in range(2):
         batch, stats = build_batch(_episodes(policy), spec, 1.0, 16)
@@ -295,7 +289,7 @@ def test_every_algorithm_trains_two_steps(narrow_model_dir, name):
 def test_a_minibatch_of_whole_groups_is_that_groups_own_batch(policy, name):
     """Split in two, a batch of four groups gives the batches of groups 0-1 and 2-3: the
     same samples and advantages (group baselines), loss weights over each half alone."""
-    spec = _algorithm(load_config(None, ["env.id=x", f"algorithm={name}"]))
+    spec = load_config(None, ["env.id=x", f"algorithm={name}"]).algorithm_spec()
     episodes = _episodes(policy, n_groups=4)
     for ep in episodes[6:]:
         ep.final_reward = float(ep.session_id.endswith("-1"))  # groups 2, 3 not uniform
@@ -333,12 +327,12 @@ TWO_MINIBATCHES = [
 def test_minibatches_take_one_optimizer_step_each(tiny_model_dir):
     policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
     cfg = load_config(None, TWO_MINIBATCHES)
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     batch, _ = build_batch(_episodes(policy, n_groups=2), spec, 1.0, 16)
     halves = split_batch(batch, 2, spec, 16)
     manual = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
     by_hand = [manual.train_step(h.seqs, make_loss_fn(h, spec, cfg, 0), 1.0, 64) for h in halves]
-    stats = policy_updates(policy, batch, spec, cfg, 0)
+    stats = policy_updates(policy, batch, spec, cfg, 0).stats
     steps = {int(s["step"]) for s in policy.optimizer.state_dict()["state"].values()}
     assert steps == {2}, "two mini-batches: two optimizer steps"
     for key in ("loss", "grad_norm"):  # the mean over the mini-batches
@@ -356,7 +350,7 @@ def test_epochs_repeat_the_minibatches_in_order_and_record_the_first_pass(tiny_m
     one policy version), stats the mean over the four, and each sample's record as the
     first pass (the same as a one-pass step from the same weights) trained it."""
     cfg = load_config(None, [*TWO_MINIBATCHES, "train.epochs=2"])
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
     batch, _ = build_batch(_episodes(policy, n_groups=2), spec, 1.0, 16)
     halves = split_batch(batch, 2, spec, 16)
@@ -366,10 +360,10 @@ def test_epochs_repeat_the_minibatches_in_order_and_record_the_first_pass(tiny_m
         for h in (*halves, *halves)
     ]
     one_pass = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-2)
-    first: list = []
-    policy_updates(one_pass, batch, spec, load_config(None, TWO_MINIBATCHES), 0, first)
-    records: list = []
-    stats = policy_updates(policy, batch, spec, cfg, 0, records)
+    one_cfg = load_config(None, TWO_MINIBATCHES)
+    first = policy_updates(one_pass, batch, spec, one_cfg, 0, record=True).records
+    done = policy_updates(policy, batch, spec, cfg, 0, record=True)
+    stats, records = done.stats, done.records
     steps = {int(s["step"]) for s in policy.optimizer.state_dict()["state"].values()}
     assert steps == {4}, "two passes over two mini-batches: four optimizer steps"
     for key in ("loss", "grad_norm"):
@@ -392,7 +386,7 @@ class _Arriving(GroupSource):
     """A source whose batch is complete after ``ready`` said no ``late`` times."""
 
     def __init__(self, late: int) -> None:
-        super().__init__(SourceSettings(batch_size=1, group_size=2, eta=0), RunState())
+        super().__init__(SourceSettings.of(batch_size=1, group_size=2, eta=0), RunState())
         self.late, self.asked = late, 0
 
     def ready(self, n: int) -> bool:
@@ -414,15 +408,14 @@ def test_fill_passes_repeat_the_last_batch_only_while_the_next_is_not_in(
     made by hand, and no pass is left for the batch after (the narrow tiny model: full
     fine-tuning updates of a quarter of the cost)."""
     cfg = load_config(None, [*TWO_MINIBATCHES, "train.fill_passes=2"])
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     policy = Policy(str(narrow_model_dir), dtype="float32", device="cpu", lr=1e-2)
     batch, _ = build_batch(_episodes(policy, n_groups=2), spec, 1.0, 16)
     manual = Policy(str(narrow_model_dir), dtype="float32", device="cpu", lr=1e-2)
     halves = split_batch(batch, 2, spec, 16)
     for h in [*halves, *[*halves, *halves][:filled]]:
         manual.train_step(h.seqs, make_loss_fn(h, spec, cfg, 0), 1.0, 64)
-    kept: list = []
-    policy_updates(policy, batch, spec, cfg, 0, None, kept)
+    kept = list(policy_updates(policy, batch, spec, cfg, 0).updates)
     assert [u.batch.seqs for u in kept] == [h.seqs for h in halves]
     trainer = Trainer.__new__(Trainer)  # only what _next_batch reads
     trainer.cfg, trainer.spec, trainer.policy = cfg, spec, policy
@@ -482,13 +475,13 @@ def test_a_synchronous_run_fills_each_wait_with_updates_of_the_last_batch(
 
 def test_a_source_is_ready_when_its_queue_holds_the_batch_or_it_failed():
     async def check() -> None:
-        src = GroupSource(SourceSettings(batch_size=2, group_size=2, eta=0), RunState())
+        src = GroupSource(SourceSettings.of(batch_size=2, group_size=2, eta=0), RunState())
         assert not src.ready(2)
         src._queue.put_nowait(("g0", []))
         assert src.ready(1) and not src.ready(2)
         src._queue.put_nowait(("g1", []))
         assert src.ready(2)
-        empty = GroupSource(SourceSettings(batch_size=2, group_size=2, eta=0), RunState())
+        empty = GroupSource(SourceSettings.of(batch_size=2, group_size=2, eta=0), RunState())
         empty._failure = asyncio.get_running_loop().create_future()
         assert not empty.ready(1)
         empty._failure.set_exception(RuntimeError("env could not be made"))
@@ -584,17 +577,16 @@ def test_ppo_takes_the_critic_settings_and_its_advantages_are_returns_minus_valu
             "critic.whiten=false",
         ],
     )
-    spec = _algorithm(cfg)
-    assert (spec.advantage.gamma, spec.advantage.lam, spec.advantage.whiten) == (0.9, 0.5, False)
-    assert spec.loss.value_clip is None
-    default = _algorithm(load_config(None, ["env.id=x", "algorithm=ppo"]))
-    assert (default.advantage.lam, default.advantage.whiten, default.loss.value_clip) == (
-        0.95, True, 0.2,
-    )  # fmt: skip
+    spec = cfg.algorithm_spec()
+    assert spec.critic == cfg.critic  # the section is what the critic receives
+    assert (spec.critic.lam, spec.critic.whiten, spec.critic.value_clip) == (0.5, False, None)
+    default = load_config(None, ["env.id=x", "algorithm=ppo"]).algorithm_spec().critic
+    assert default is not None
+    assert (default.lam, default.whiten, default.value_clip) == (0.95, True, 0.2)
     # Without whitening and with lambda 1 the advantages are G(c) - V at each sampled token.
     policy = Policy(str(tiny_model_dir), dtype="float32", device="cpu")
     episodes = _episodes(policy)
-    raw = dataclasses.replace(spec, advantage=dataclasses.replace(spec.advantage, lam=1.0))
+    raw = dataclasses.replace(spec, critic=dataclasses.replace(spec.critic, lam=1.0))
     batch, _ = build_batch(episodes, raw, 0.9, 16)
     values = [torch.full_like(m, 0.25) for m in batch.mask]
     stats = add_gae(batch, values, raw)
@@ -879,7 +871,7 @@ def test_kl_penalty_uses_the_starting_weights_as_reference(tiny_model_dir, lora)
     cfg = load_config(
         None, ["env.id=areal/Calculator-v0", "loss.kl_coef=0.1", "loss.proximal=loglinear"]
     )
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     assert spec.loss.kl_coef == 0.1
     start = policy.logprobs([eps[0].completions[0].prompt_ids], 1.0)
     kls = []
@@ -927,7 +919,7 @@ def test_entropy_bonus_alone_raises_the_policys_entropy(tiny_model_dir):
                 f"loss.entropy_coef={coef}",
             ],
         )
-        spec = _algorithm(cfg)
+        spec = cfg.algorithm_spec()
         assert spec.loss.entropy_coef == coef
         before = {k: v.clone() for k, v in policy.model.named_parameters()}
         ents = []
@@ -954,7 +946,7 @@ def test_entropy_bonus_without_entropy_gradients_names_the_fix(tiny_model_dir):
     cfg = load_config(
         None, ["env.id=areal/Calculator-v0", "loss.proximal=loglinear", "loss.entropy_coef=0.1"]
     )
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     batch, _ = build_batch(_episodes(policy), spec, 1.0, 16)
     with pytest.raises(ValueError, match="entropy_grad=True"):
         policy.train_step(batch.seqs, make_loss_fn(batch, spec, cfg, 0), 1.0, 64, batch.mask)

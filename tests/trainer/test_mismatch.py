@@ -11,7 +11,6 @@ import torch
 
 from areal_agents.trainer.batch import Batch
 from areal_agents.trainer.config_io import load_config
-from areal_agents.trainer.loop import _algorithm
 from areal_agents.trainer.mismatch import mismatch_stats
 from areal_agents.trainer.step import measure_mismatch
 
@@ -106,7 +105,7 @@ def _batch(versions: list[list[int]]) -> Batch:
 
 def test_a_loglinear_step_scores_only_the_samples_with_a_fresh_token() -> None:
     cfg = load_config(None, ["env.id=x", "loss.proximal=loglinear"])
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     batch = _batch([[3, 3, 3], [2, 3, 2], [2, 2, 2]])
     policy = Scorer(batch)
     got = measure_mismatch(policy, batch, spec, cfg, version=3)
@@ -126,7 +125,7 @@ def test_a_loglinear_step_scores_only_the_samples_with_a_fresh_token() -> None:
 
 def test_a_recompute_step_reads_the_proximal_logprobs() -> None:
     cfg = load_config(None, ["env.id=x", "loss.proximal=recompute"])
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     batch = _batch([[0, 0, 0], [0, 0, 0], [0, 0, 0]])
     batch.prox = [b - 0.2 for b in batch.behav]
     policy = Scorer(batch)

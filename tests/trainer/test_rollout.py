@@ -83,7 +83,7 @@ async def agent(task: AgentTask) -> str | None:
 
 
 def settings(**kw: Any) -> SourceSettings:
-    return SourceSettings(**{"batch_size": B, "group_size": G, "eta": 0, **kw})
+    return SourceSettings.of(**{"batch_size": B, "group_size": G, "eta": 0, **kw})
 
 
 @contextlib.asynccontextmanager

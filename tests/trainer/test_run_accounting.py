@@ -117,7 +117,7 @@ async def external(
     )
     hub = WorkerHub(proxy, TOKEN, heartbeat_timeout_s=kw.pop("heartbeat_timeout_s", 10.0))
     server = LoopServer(proxy)
-    settings = SourceSettings(**{"batch_size": 2, "group_size": 2, "eta": 0, **kw})
+    settings = SourceSettings.of(**{"batch_size": 2, "group_size": 2, "eta": 0, **kw})
     source = ExternalSource(
         settings, state, Runner(proxy, base_url=server.base_url), make_env, hub, server
     )
@@ -136,7 +136,7 @@ async def test_restored_totals_reach_the_first_batch_of_a_resumed_run(tok):
     state = RunState()
     proxy = Proxy(engine(tok), tok)
     source = EnvSource(
-        SourceSettings(batch_size=1, group_size=2, eta=0), state, Runner(proxy), make_env
+        SourceSettings.of(batch_size=1, group_size=2, eta=0), state, Runner(proxy), make_env
     )
     restored = RunState(step=1, next_group=1, consumed_groups=[0], episodes_consumed=2)
     restored.dropped = {"uniform_group": 36, "agent_error": 3}

@@ -13,7 +13,7 @@ import torch
 
 from areal_agents.errors import ConfigError
 from areal_agents.trainer.config_io import load_config
-from areal_agents.trainer.loop import lr_schedule
+from areal_agents.trainer.model_build import lr_schedule
 from areal_agents.trainer.policy import Policy
 from areal_agents.trainer.schedule import LrSchedule
 

@@ -48,7 +48,7 @@ async def session_source(
 ) -> AsyncIterator[tuple[SessionSource, str]]:
     proxy = Proxy(fake_engine(tokenizer), tokenizer, self_rewarding=False, privileged_keys=[TOKEN])
     server = LoopServer(proxy)
-    settings = SourceSettings(batch_size=B, group_size=G, eta=eta, **kw)
+    settings = SourceSettings.of(batch_size=B, group_size=G, eta=eta, **kw)
     src = SessionSource(
         settings,
         state,

@@ -34,13 +34,13 @@ def test_the_warm_start_stops_at_the_last_batch_that_ends_within_the_budget():
     policy = FakePolicy(clock)
     boxed = TimeBoxed(policy, lambda: clock[0], limit_s=4.0)
     boxed.set_lr(1e-4)
-    outs = [boxed.train_step([], None) for _ in range(10)]
+    outs = [boxed.train_step([], None, 1.0) for _ in range(10)]
     # 0.5 -> 1.5 -> 2.5 -> 3.5 trained; a fourth would end at 4.5 > 4.0: skipped, as the rest
     assert policy.steps == 3 and clock[0] == 3.5 and policy.lr == 1e-4
     assert outs[-1] == {"nll": 1.0 / 3}  # run_sft reports the last batch that trained
     assert boxed.stats() == {"sft_steps": 3.0, "sft_skipped_batches": 7.0}
     unbounded = TimeBoxed(FakePolicy([0.0]), lambda: 0.0, limit_s=100.0)
-    unbounded.train_step()
+    unbounded.train_step([], None, 1.0)
     assert unbounded.stats() == {"sft_steps": 1.0}
 
 

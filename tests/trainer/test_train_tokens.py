@@ -18,15 +18,19 @@ import torch
 
 from areal_agents.serve.store import EpisodeStore
 from areal_agents.trainer import batch as batch_module
-from areal_agents.trainer.algorithms import get_algorithm
-from areal_agents.trainer.batch import RECORDED, Batch, build_batch, make_loss_fn, train_token_rows
+from areal_agents.trainer.batch import Batch, build_batch
 from areal_agents.trainer.config_io import load_config
 from areal_agents.trainer.critic import Critic
 from areal_agents.trainer.distributed import DistributedPolicy, _run
-from areal_agents.trainer.loop import _algorithm
 from areal_agents.trainer.loss import LossSpec, policy_loss
 from areal_agents.trainer.policy import Policy
-from areal_agents.trainer.step import policy_updates, train_on_batch
+from areal_agents.trainer.step import (
+    RECORDED,
+    make_loss_fn,
+    policy_updates,
+    train_on_batch,
+    train_token_rows,
+)
 from areal_agents.trajectory import Completion, Episode
 
 # ----------------------------------------------------------------------------- the formula
@@ -155,7 +159,7 @@ def _fake_logps(batch: Batch, scale: float) -> list[torch.Tensor]:
 
 def test_the_loss_keeps_each_samples_first_pass_and_rows_map_tokens_to_completions():
     cfg = _cfg("loss.proximal=loglinear", "algorithm=grpo")
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     batch, _ = build_batch(_hand_episodes(), spec, 1.0, 16, trained_agents=["main"])
     assert [[r.id for r in rs] for rs in batch.sample_completions] == [
         ["a0", "a1"],
@@ -270,12 +274,11 @@ def _tokens_of(batch: Batch, values: list[torch.Tensor], cid: str) -> list[float
 
 def test_ppo_records_its_per_token_gae_advantages(tiny_model_dir, policy):
     cfg = _cfg("algorithm=ppo", "loss.proximal=recompute", "train.micro_batch_tokens=48")
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     trained = Policy(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-3)
     critic = Critic(str(tiny_model_dir), dtype="float32", device="cpu", lr=1e-3)
-    batch, bstats = build_batch(_policy_episodes(policy), spec, 1.0, 16)
-    records: list = []
-    train_on_batch(trained, critic, batch, bstats, spec, cfg, 0, records)
+    batch, _ = build_batch(_policy_episodes(policy), spec, 1.0, 16)
+    records = train_on_batch(trained, critic, batch, spec, cfg, 0, record=True).records
     assert len(records) == len(batch.seqs)
     rows = train_token_rows(records, 1, 0)
     assert len(rows) == sum(len(rs) for rs in batch.sample_completions)
@@ -317,7 +320,7 @@ def test_records_of_trainer_ranks_come_back_under_the_batch_indices(tiny_model_d
     """The batch split over 2 ranks by groups: the records rank 0 gathers are, sample for
     sample, those of one process (the same weights before the step)."""
     cfg = _cfg("algorithm=grpo", "loss.proximal=loglinear", "train.micro_batch_tokens=48")
-    spec = _algorithm(cfg)
+    spec = cfg.algorithm_spec()
     episodes = _policy_episodes(policy, n_groups=3)
     model = str(tiny_model_dir)
 
@@ -325,8 +328,7 @@ def test_records_of_trainer_ranks_come_back_under_the_batch_indices(tiny_model_d
         return Policy(model, dtype="float32", device="cpu", lr=1e-3)
 
     batch, _ = build_batch(episodes, spec, 1.0, 16)
-    one: list = []
-    policy_updates(fresh(), batch, spec, cfg, 0, one)
+    one = policy_updates(fresh(), batch, spec, cfg, 0, record=True).records
     ranks = _InProcessRanks([fresh(), fresh()])
     sharded = DistributedPolicy(ranks, ranks.objects[0]["policy"])
     loss_fn = make_loss_fn(batch, spec, cfg, 0, record=True)
@@ -406,9 +408,9 @@ def test_a_training_run_records_every_trained_completion_of_every_step(
 
 def test_rows_need_records_of_matching_lengths():
     """A record whose completion claims fewer outputs than it has tokens is refused."""
-    spec = get_algorithm("grpo")
-    batch, _ = build_batch(_hand_episodes()[:1], spec, 1.0, 16)
     cfg = _cfg("loss.proximal=loglinear")
+    spec = cfg.algorithm_spec()
+    batch, _ = build_batch(_hand_episodes()[:1], spec, 1.0, 16)
     loss_fn = make_loss_fn(batch, spec, cfg, 0, record=True)
     _call(loss_fn, [0], _fake_logps(batch, 1.0))
     rec = loss_fn.records[0]
