@@ -15,11 +15,15 @@ the first time (0 by default; see below)::
     r_turn = turn_reward + evidence_reward * |newly opened gold documents|
 
 so an episode's evidence earns at most ``hops * evidence_reward``, however often it opens.
-With ``evidence_needs_answer`` only an episode that answers keeps it: the tool turn that
-runs out of turns (``max_turns``) also takes back what the episode's evidence earned, so
-its return is 0 (plus ``turn_reward``s), and :meth:`SearchEnv.score` gives a conversation
-without an answer no tool rewards. An agent then cannot collect evidence by opening
-documents until the turns run out instead of answering.
+With ``evidence_on_answer`` the evidence is paid with the answer instead, and only to an
+episode that answers::
+
+    r_answer = match + evidence_reward * |gold documents opened|     r_turn = turn_reward
+
+so every turn of an episode has the same return (with ``rollout.gamma`` 1), and neither
+opening documents until the turns run out nor the answer turn itself is singled out: with
+the evidence paid per turn, a tool turn's return-to-go holds the evidence and the answer
+turn's does not, so a group's baseline marks answering down whenever the answer is wrong.
 
 **Evidence.** A question's gold ``chain`` is the documents to read, in order (one per hop:
 the last states the answer). The reset info gives ``hops`` and ``kind`` = ``"<hops>-hop"``
@@ -107,8 +111,8 @@ class SearchEnv(AgentEnv):
         turn_reward: reward of each turn that calls tools.
         evidence_reward: reward of a tool turn per gold document it opens for the first
             time (a step-level signal along the gold chain; bounded by ``hops`` times it).
-        evidence_needs_answer: an episode that ends without an answer (out of turns) gives
-            its evidence back on its last turn (see the module docstring).
+        evidence_on_answer: pay the evidence with the answer, to an episode that answers,
+            instead of on the tool turns (see the module docstring).
         max_doc_chars: ``open`` cuts documents after this many characters.
         max_turns: the episode is truncated after this many assistant messages.
     """
@@ -129,7 +133,7 @@ class SearchEnv(AgentEnv):
         reward: Literal["em", "f1"] = "em",
         turn_reward: float = 0.0,
         evidence_reward: float = 0.0,
-        evidence_needs_answer: bool = False,
+        evidence_on_answer: bool = False,
         max_doc_chars: int = 4000,
         max_turns: int = 10,
     ) -> None:
@@ -147,7 +151,7 @@ class SearchEnv(AgentEnv):
         self.reward_kind = reward
         self.turn_reward = float(turn_reward)
         self.evidence_reward = float(evidence_reward)
-        self.evidence_needs_answer = bool(evidence_needs_answer)
+        self.evidence_on_answer = bool(evidence_on_answer)
         self.top_k = top_k
         self.max_doc_chars = max_doc_chars
         self.task: QAExample | None = None
@@ -271,18 +275,15 @@ class SearchEnv(AgentEnv):
                 self._opened.append(doc_id)
         chain = self.task.chain if self.task is not None else ()
         new_gold = sum(d in chain for d in self._opened[before:])
+        if self.evidence_on_answer:  # paid with the answer (_answer_evidence)
+            return self.turn_reward
         return self.turn_reward + self.evidence_reward * new_gold
 
-    def step(
-        self, action: Message | str
-    ) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
-        """:meth:`AgentEnv.step`; with ``evidence_needs_answer``, the turn that runs out of
-        turns gives back what the episode's evidence earned (the module docstring)."""
-        new, reward, terminated, truncated, info = super().step(action)
-        if truncated and self.evidence_needs_answer and self.task is not None:
-            gold = sum(d in self.task.chain for d in self._opened)
-            reward -= self.evidence_reward * gold
-        return new, reward, terminated, truncated, info
+    def _answer_evidence(self, task: QAExample) -> float:
+        """The evidence paid with the answer (``evidence_on_answer``; else 0)."""
+        if not self.evidence_on_answer:
+            return 0.0
+        return self.evidence_reward * sum(d in task.chain for d in self._opened)
 
     def _tool_info(self, message: Message, records: list[dict[str, Any]]) -> dict[str, Any]:
         assert self.task is not None
@@ -303,7 +304,8 @@ class SearchEnv(AgentEnv):
     def _respond(self, message: Message) -> tuple[list[Message], float, bool, dict[str, Any]]:
         assert self.task is not None
         reward, info = self._grade(message.get("content"), self.task)
-        return [], reward, True, info
+        reward += self._answer_evidence(self.task)
+        return [], reward, True, {**info, "final_reward": reward}
 
     def _grade(self, content: str | None, task: QAExample) -> tuple[float, dict[str, Any]]:
         predicted = extract_answer(content)
@@ -350,11 +352,10 @@ class SearchEnv(AgentEnv):
         if not finals:  # no answer: graded as an empty one, worth nothing
             _, info = self._grade(None, task)
             info = {**info, "success": False, "final_reward": 0.0, "predicted": None}
-            if self.evidence_needs_answer:  # evidence is kept by an episode that answers
-                tool_rewards = {k: self.turn_reward for k in tool_rewards if self.turn_reward}
             return 0.0, {**info, "tool_rewards": tool_rewards}
         reward, info = self._grade(finals[-1].get("content"), task)
-        return reward, {**info, "tool_rewards": tool_rewards}
+        reward += self._answer_evidence(task)
+        return reward, {**info, "final_reward": reward, "tool_rewards": tool_rewards}
 
     def demos(self, n: int, seed: int = 0) -> list[list[Message]]:
         """``n`` solved episodes of the train split, for a supervised warm start.
@@ -418,8 +419,8 @@ class SearchEnv(AgentEnv):
                 _tool_call(f"call_{turn + 1}", "open", doc=doc_id if found else document.title)
             )
             turn += 2
-        _, reward, terminated, _, info = self.step(f"Answer: {task.answers[0]}")
-        if not (terminated and reward == 1.0 and info.get("grounded")):
+        _, _, terminated, _, info = self.step(f"Answer: {task.answers[0]}")
+        if not (terminated and info.get("success") and info.get("grounded")):
             raise UserError(
                 f"the demonstration of question {task.id} does not succeed ({info}): its "
                 "answer or gold chain does not match the corpus; fix the QA row"

@@ -215,28 +215,33 @@ def test_evidence_reward_pays_each_gold_document_once_by_hand() -> None:
     )
 
 
-def test_evidence_needs_an_answer_by_hand() -> None:
-    """With evidence_needs_answer, a 2-hop episode that opens both gold documents and runs
-    out of turns (max_turns 3) earns 0.25, 0.25, then -0.5 on the turn that ran out: a
-    return of 0, the same as answering wrong at once. One that answers keeps its 0.5."""
-    kwargs = {**KWARGS, "evidence_reward": 0.25, "evidence_needs_answer": True, "max_turns": 3}
+def test_evidence_on_answer_by_hand() -> None:
+    """With evidence_on_answer, the tool turns earn turn_reward only and the answer earns
+    match + evidence_reward * |gold documents opened|: a 2-hop episode that opens both gold
+    documents and answers wrong earns 0, 0, then 0.5; one that runs out of turns (max_turns
+    3) earns 0; the right answer after both, 1.5."""
+    kwargs = {**KWARGS, "evidence_reward": 0.25, "evidence_on_answer": True, "max_turns": 3}
     env = SearchEnv(**kwargs)
     task = next(t for t in env.tasks if t.hops == 2)
     env.reset(options={"task_id": task.id})
     rewards = [env.step(_call(i, "open", doc=doc))[1] for i, doc in enumerate(task.chain)]
-    *_, truncated, _ = last = env.step(_call(2, "search", query="more"))
-    assert [*rewards, last[1]] == pytest.approx([0.25, 0.25, -0.5]) and truncated
+    _, final, terminated, _, info = env.step("Answer: nowhere")
+    assert [*rewards, final] == pytest.approx([0.0, 0.0, 0.5]) and terminated
+    assert info["final_reward"] == 0.5 and info["success"] is False
     env.reset(options={"task_id": task.id})
-    kept = [env.step(_call(i, "open", doc=doc))[1] for i, doc in enumerate(task.chain)]
-    _, final, terminated, _, _ = env.step("Answer: nowhere")
-    assert sum(kept) == pytest.approx(0.5) and terminated and final == 0.0
-    # scored as an agent's own conversation: no answer, no tool rewards
+    looped = [env.step(_call(i, "open", doc=doc))[1] for i, doc in enumerate(task.chain)]
+    *_, truncated, _ = last = env.step(_call(2, "search", query="more"))
+    assert [*looped, last[1]] == [0.0, 0.0, 0.0] and truncated
+    env.reset(options={"task_id": task.id})
+    for i, doc in enumerate(task.chain):
+        env.step(_call(i, "open", doc=doc))
+    assert env.step(f"Answer: {task.answers[0]}")[1] == pytest.approx(1.5)
+    # scored as an agent's own conversation: the same rewards
     messages = [{"role": "user", "content": task.question}]
     for i, doc in enumerate(task.chain):
         messages += [_call(i, "open", doc=doc), {"role": "tool", "tool_call_id": f"call_{i}"}]
     score, info = SearchEnv(**kwargs).score(messages)
     assert score == 0.0 and info["tool_rewards"] == {}
     answered = [*messages, {"role": "assistant", "content": "Answer: nowhere"}]
-    assert SearchEnv(**kwargs).score(answered)[1]["tool_rewards"] == pytest.approx(
-        {"call_0": 0.25, "call_1": 0.25}
-    )
+    score, info = SearchEnv(**kwargs).score(answered)
+    assert score == pytest.approx(0.5) and info["tool_rewards"] == {}
