@@ -83,13 +83,13 @@ def test_quickstart_shows_learning_and_writes_logs_checkpoints_and_final_model(q
     """The README's first command, on the default model (about 4 minutes on 2 cores): it
     ends with the held-out success of the base model, after the warm start and after RL,
     and with where to look next. The warm start teaches the tool call (the base model never
-    makes one), so it must gain at least 30 points on the 32 greedy held-out problems."""
+    makes one), so it must gain at least 30 points on the 64 greedy held-out problems."""
     import re
 
     out, run = quickstart_run.proc, quickstart_run.out
     assert out.returncode == 0, out.stderr[-3000:]
     line = re.search(
-        r"held-out success: base (\d+)% -> warm start (\d+)% -> RL (\d+)% \(32 tasks, greedy, "
+        r"held-out success: base (\d+)% -> warm start (\d+)% -> RL (\d+)% \(64 tasks, greedy, "
         r"test split\)",
         out.stdout,
     )
