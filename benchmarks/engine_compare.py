@@ -21,9 +21,16 @@ second: HF's ``generate`` runs in the engine's place, the embedded engine's work
 on the first core and the asyncio client on the second, the vLLM server is started on the
 first core and its client runs on the second).
 
+With ``--lora R`` every engine serves the same LoRA adapter of rank R (``q/k/v/o_proj``, alpha
+2R, random non-zero weights, as a trained adapter would be), the way training serves one: HF's
+``generate`` on the peft model (unmerged, as TRL generates), the embedded engine given it as a
+LoRA weight update (merged into the weights in float32, peft's unmerged forward in bfloat16),
+vLLM started with ``--enable-lora`` and the adapter loaded by ``/v1/load_lora_adapter``, every
+request naming it.
+
     python benchmarks/engine_compare.py [--model DIR] [--engines hf,embedded,vllm]
         [--concurrency 16 32] [--layout shared split] [--new-tokens 96] [--repeats 1]
-        [--vllm-python .venv-vllm/bin/python] [--quick]
+        [--lora R] [--vllm-python .venv-vllm/bin/python] [--quick]
 """
 
 from __future__ import annotations
@@ -32,10 +39,13 @@ import argparse
 import asyncio
 import datetime
 import gc
+import json
 import os
 import shlex
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -137,6 +147,29 @@ def completion_body(prompt: Sequence[int], model: str, new_tokens: int) -> dict[
 
 
 # ------------------------------------------------------------------------------ engines
+def make_adapter(path: str, rank: int, out: Path) -> Path:
+    """A LoRA adapter of rank ``rank`` for the model at ``path`` saved as peft saves it in
+    ``out``: peft's initialisation, then every ``lora_B`` drawn (std 0.01, seed 0) so that the
+    adapter changes the outputs, as a trained one does."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(load_model(path, "float32"), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.01)
+    model.save_pretrained(str(out))
+    return out
+
+
 @dataclass
 class Layout:
     name: str
@@ -210,12 +243,17 @@ def run_hf(
     warm_tokens: int,
     layout: Layout,
     say: Callable[[str], None],
+    adapter: Path | None = None,
 ) -> list[Result]:
     """HF's padded-batch ``generate``: one batch of ``c`` prompts, left-padded."""
     import torch
 
     place(layout.engine_cores, f"--layout {layout.name}")
     model = load_model(path, dtype)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
     cfg = model.generation_config
     pad = cfg.pad_token_id
     if pad is None:
@@ -251,10 +289,11 @@ def run_embedded(
     warm_tokens: int,
     layout: Layout,
     say: Callable[[str], None],
+    adapter: Path | None = None,
 ) -> list[Result]:
     """The embedded engine: every request of a batch submitted at once."""
     from areal_agents.engines.embedded import EmbeddedEngine
-    from areal_agents.engines.protocol import SamplingParams
+    from areal_agents.engines.protocol import SamplingParams, WeightUpdate
 
     place(layout.engine_cores, f"--layout {layout.name}")
     model = load_model(path, dtype)
@@ -274,6 +313,8 @@ def run_embedded(
 
     async def run() -> list[Result]:
         try:
+            if adapter is not None:
+                await engine.update_weights(WeightUpdate(kind="lora", path=str(adapter)))
             return await time_levels("embedded", work, batch, new_tokens, warm_tokens, say)
         finally:
             await engine.close()
@@ -300,6 +341,7 @@ def run_vllm(
     warm_tokens: int,
     layout: Layout,
     say: Callable[[str], None],
+    adapter: Path | None = None,
     *,
     python: str,
     start_timeout_s: float,
@@ -323,6 +365,11 @@ def run_vllm(
         "--dtype", dtype,
         "--max-num-seqs", str(max(levels)),
     ]  # fmt: skip
+    env = vllm_env(layout)
+    if adapter is not None:
+        rank = json.loads((adapter / "adapter_config.json").read_text())["r"]
+        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
     log_path = None
     if log_dir:
         log_path = Path(log_dir) / f"vllm-{layout.name}.log"
@@ -334,7 +381,7 @@ def run_vllm(
         argv,
         url=url,
         log_path=log_path,
-        env=vllm_env(layout),
+        env=env,
         timeout_s=start_timeout_s,
         name="vLLM server",
         cpus=layout.engine_cores if layout.pinned else None,
@@ -354,8 +401,15 @@ def run_vllm(
             return sum(await asyncio.gather(*[one(p) for p in prompts]))
 
         async def run() -> list[Result]:
+            nonlocal name
             limits = httpx.Limits(max_connections=max(levels) + 4)
             async with httpx.AsyncClient(base_url=url, timeout=1800.0, limits=limits) as http:
+                if adapter is not None:
+                    body = {"lora_name": "bench-lora", "lora_path": str(adapter)}
+                    reply = await http.post("/v1/load_lora_adapter", json=body)
+                    if reply.status_code != 200:
+                        raise BackendError(f"loading the adapter: HTTP {reply.status_code}")
+                    name = "bench-lora"
 
                 async def sent(prompts: list[list[int]], n: int) -> int:
                     return await batch(http, prompts, n)
@@ -418,6 +472,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the warm-up batch")
     ap.add_argument("--repeats", type=int, default=1, help="timed batches per level (median)")
+    ap.add_argument(
+        "--lora", type=int, default=0, help="serve a LoRA adapter of this rank (0: none)"
+    )
     ap.add_argument(
         "--vllm-python",
         default=None,
@@ -492,13 +549,17 @@ def main(
     )
     report: dict[str, list[Result]] = {}
     failed = False
+    adapter = None
+    if args.lora:
+        adapter = make_adapter(path, args.lora, Path(tempfile.mkdtemp(prefix="bench-lora-")))
+        say(f"every engine serves a LoRA adapter of rank {args.lora} (q/k/v/o_proj)")
     for layout in layouts(args.layout, allowed, say):
         say(
             f"layout {layout.name}: engine on cores {layout.engine_cores}, "
             f"the rest on {layout.rest_cores}"
         )
         results: list[Result] = []
-        common = (path, dtype, work, args.new_tokens, args.warmup_tokens, layout, say)
+        common = (path, dtype, work, args.new_tokens, args.warmup_tokens, layout, say, adapter)
         try:
             if "hf" in args.engines:
                 results += run_hf(*common)
@@ -528,7 +589,10 @@ def main(
     say(
         f"`{command}`, {datetime.date.today().isoformat()}, load {load_average()} (1-min), "
         f"{dtype}, native bfloat16: {bf16_flags()}, {len(allowed)} cores"
+        + (f", LoRA rank {args.lora} served" if args.lora else "")
     )
+    if adapter is not None:
+        shutil.rmtree(adapter, ignore_errors=True)
     for name, results in report.items():
         what = (
             "everything on all cores"

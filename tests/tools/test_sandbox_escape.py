@@ -505,7 +505,9 @@ print('wrote 24 MB')
 # ---------------------------------------------------------------------------- memory
 
 # A sandbox that holds memory no process maps: memfds filled with write() (each under the
-# file-size limit) and SysV segments attached, filled and detached again.
+# file-size limit) and SysV segments attached, filled and detached again. The segments are
+# removed before the script exits: a SysV segment outlives its creator, and without a
+# sandbox (mode "process") each run would leave 256 MB of the host's memory held for good.
 SHARED_MEMORY = """
 import ctypes, json, os
 out = {}
@@ -520,17 +522,22 @@ except OSError as e:
 out['memfd_mb'] = held
 libc = ctypes.CDLL(None, use_errno=True)
 libc.shmat.restype = ctypes.c_void_p
-held = 0
-for _ in range(4):
-    segment = libc.shmget(0, 64 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
-    if segment < 0:
-        out['shmget_error'] = os.strerror(ctypes.get_errno())
-        break
-    address = libc.shmat(segment, None, 0)
-    ctypes.memset(address, 1, 64 << 20)
-    libc.shmdt(ctypes.c_void_p(address))
-    held += 64
-out['shm_mb'] = held
+held, segments = 0, []
+try:
+    for _ in range(4):
+        segment = libc.shmget(0, 64 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+        if segment < 0:
+            out['shmget_error'] = os.strerror(ctypes.get_errno())
+            break
+        segments.append(segment)
+        address = libc.shmat(segment, None, 0)
+        ctypes.memset(address, 1, 64 << 20)
+        libc.shmdt(ctypes.c_void_p(address))
+        held += 64
+    out['shm_mb'] = held
+finally:
+    for segment in segments:
+        libc.shmctl(segment, 0, None)  # IPC_RMID
 print(json.dumps(out))
 """
 
