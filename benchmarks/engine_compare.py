@@ -42,7 +42,6 @@ import gc
 import json
 import os
 import shlex
-import shutil
 import statistics
 import sys
 import tempfile
@@ -549,9 +548,10 @@ def main(
     )
     report: dict[str, list[Result]] = {}
     failed = False
-    adapter = None
-    if args.lora:
-        adapter = make_adapter(path, args.lora, Path(tempfile.mkdtemp(prefix="bench-lora-")))
+    adapter, adapter_dir = None, None
+    if args.lora:  # removed at the end, or at exit when a layout fails
+        adapter_dir = tempfile.TemporaryDirectory(prefix="bench-lora-")
+        adapter = make_adapter(path, args.lora, Path(adapter_dir.name))
         say(f"every engine serves a LoRA adapter of rank {args.lora} (q/k/v/o_proj)")
     for layout in layouts(args.layout, allowed, say):
         say(
@@ -591,8 +591,8 @@ def main(
         f"{dtype}, native bfloat16: {bf16_flags()}, {len(allowed)} cores"
         + (f", LoRA rank {args.lora} served" if args.lora else "")
     )
-    if adapter is not None:
-        shutil.rmtree(adapter, ignore_errors=True)
+    if adapter_dir is not None:
+        adapter_dir.cleanup()
     for name, results in report.items():
         what = (
             "everything on all cores"
