@@ -122,6 +122,7 @@ class RemoteEngine:
         self._interrupt_epoch = 0
         self._updating = False
         self._swapping = False  # paused for a weight load: requests wait to be sent
+        self._loading = False  # a weight load (a swap) is under way: a restart waits
         self._user_paused = False
         self._hold_new = False  # drain mode (servers that cannot pause): new requests wait
         self._in_flight = 0
@@ -343,6 +344,13 @@ class RemoteEngine:
                 raise self._failure
             return
 
+    async def _until_no_restart(self) -> None:
+        """Return, with no await after the last check, once no restart is under way."""
+        while self._restart_lock.locked() and not self._closed:
+            await self._wait_restarted()
+        if self._failure is not None:
+            raise self._failure
+
     async def _wait_restarted(self) -> None:
         while self._restart_lock.locked() and not self._closed:
             await asyncio.sleep(0.05)
@@ -360,6 +368,8 @@ class RemoteEngine:
             if not self._server_died():
                 return  # restarted by an earlier caller
             assert self.server is not None
+            while self._loading and not self._closed:  # a swap under way ends first
+                await asyncio.sleep(0.01)
             code = self.server.exit_code
             if self._stats["restarts"] >= self.max_restarts:
                 self._failure = BackendError(
@@ -502,27 +512,39 @@ class RemoteEngine:
         While the server is paused nothing is sent to it (``_swapping``): a server binds a
         request to the weights it names when the request arrives (vLLM resolves the adapter's
         directory then), so a request sent during the swap would run on the old weights
-        under the new version's label."""
-        if self.can_pause:
-            self._interrupt_epoch += 1
-            self._swapping = True
-            try:
-                await self._pause_server("abort")
-                try:
-                    await load()
-                finally:
-                    if not self._user_paused:
-                        await self._resume_server()
-            finally:
-                self._swapping = False
-            return
-        self._hold_new = True
+        under the new version's label.
+
+        A swap and a restart never overlap: the swap waits for a restart under way to end,
+        and a restart waits for a swap under way (which fails fast on a dead server).
+        Overlapping, the restart's reload of the previous weights could land after the new
+        load but before its label: the old weights served under the new version."""
+        await self._until_no_restart()
+        # No await between the check above and the flag: a restart that begins from here on
+        # waits for the swap to end (see _recover).
+        self._loading = True
         try:
-            while self._in_flight:
-                await asyncio.sleep(0.01)
-            await load()
+            if self.can_pause:
+                self._interrupt_epoch += 1
+                self._swapping = True
+                try:
+                    await self._pause_server("abort")
+                    try:
+                        await load()
+                    finally:
+                        if not self._user_paused:
+                            await self._resume_server()
+                finally:
+                    self._swapping = False
+                return
+            self._hold_new = True
+            try:
+                while self._in_flight:
+                    await asyncio.sleep(0.01)
+                await load()
+            finally:
+                self._hold_new = self._user_paused
         finally:
-            self._hold_new = self._user_paused
+            self._loading = False
 
     async def _load_staged(self, staged: WeightUpdate, version: int) -> None:
         assert staged.path is not None

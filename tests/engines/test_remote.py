@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from areal_agents.engines.protocol import GenerateResult, SamplingParams
+from areal_agents.engines.protocol import GenerateResult, SamplingParams, WeightUpdate
 from areal_agents.engines.remote import (
     RemoteEngine,
     Segment,
@@ -206,3 +206,98 @@ async def test_a_request_waiting_for_a_restart_is_not_sent_into_a_swap() -> None
     engine._swapping = False
     result = await asyncio.wait_for(request, 5)
     assert result.output_ids == [5, 7] and engine.sent_while_swapping == [False]
+
+
+class _NoStaging:
+    def commit(self, staged: Any) -> None: ...
+    def discard(self, staged: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+class _DeadServer:
+    """A server process that died; ``restart`` brings it back."""
+
+    exit_code = -9
+    log_path = "server.log"
+
+    def __init__(self, events: list[str]) -> None:
+        self.running = False
+        self.events = events
+
+    def restart(self, timeout_s: float) -> None:
+        self.events.append("restart")
+        self.running = True
+
+    def tail(self, n: int) -> str:
+        return ""
+
+
+class Loading(RemoteEngine):
+    """Records the server calls of weight loads and restarts, in order; a load can be held
+    open (``gate``) to let a restart begin while it runs."""
+
+    def __init__(self) -> None:
+        super().__init__("http://unused", model_name="m", max_context=100, max_restarts=1)
+        self._staging = _NoStaging()  # type: ignore[assignment]
+        self.events: list[str] = []
+        self.gate: Any = None
+        self.restart_while_staging = False
+
+    def _stage(self, update: WeightUpdate) -> WeightUpdate:
+        if self.restart_while_staging:  # the server dies while the files are staged
+            self._restart_lock.acquire()
+        return update
+
+    async def _pause_server(self, mode: str) -> None:  # type: ignore[override]
+        self.events.append("pause")
+
+    async def _resume_server(self) -> None:
+        self.events.append("resume")
+
+    async def _load_lora(self, path: str, version: int) -> None:
+        self.events.append(f"load {path}")
+        if self.gate is not None:
+            await self.gate.wait()
+        self.events.append(f"label {version}")
+
+
+async def test_a_weight_swap_waits_for_a_restart_under_way() -> None:
+    """An update reaches the engine while its dead server restarts. Its swap must wait for
+    the restart, whose reload of the previous weights would otherwise land between the new
+    load and its label: the old weights served under the new version (seen as
+    mismatch/kl 2.9e-3 on a restarted vLLM run)."""
+    import asyncio
+
+    engine = Loading()
+    engine._loaded = WeightUpdate(kind="lora", path="v1")
+    engine._version = 1
+    engine.restart_while_staging = True  # the update passed the restart check, then staged
+    update = asyncio.create_task(engine.update_weights(WeightUpdate(kind="lora", path="v2")))
+    await asyncio.sleep(0.2)
+    assert engine._restart_lock.locked()
+    assert not update.done() and engine.events == []
+    engine._restart_lock.release()
+    assert await asyncio.wait_for(update, 5) == 2
+    assert engine.events == ["pause", "load v2", "label 2", "resume"]
+
+
+async def test_a_restart_waits_for_a_weight_swap_under_way() -> None:
+    """The other order: the server dies while a swap runs; the restart that a failed request
+    begins waits for the swap to end before it reloads the weights it knows."""
+    import asyncio
+
+    engine = Loading()
+    engine.server = _DeadServer(engine.events)  # type: ignore[assignment]
+    engine._loaded = WeightUpdate(kind="lora", path="v1")
+    engine._version = 1
+    engine.gate = asyncio.Event()
+    update = asyncio.create_task(engine.update_weights(WeightUpdate(kind="lora", path="v2")))
+    await asyncio.sleep(0.05)  # the swap is loading v2
+    recover = asyncio.create_task(engine._recover())
+    await asyncio.sleep(0.2)
+    assert "restart" not in engine.events
+    engine.gate.set()
+    await asyncio.wait_for(asyncio.gather(update, recover), 5)
+    assert engine.events == [
+        "pause", "load v2", "label 2", "resume", "restart", "load v2", "label 2",
+    ]  # fmt: skip
