@@ -51,6 +51,12 @@ class EngineConfig(Checked):
     ``model.path``, with LoRA enabled when ``model.lora`` is; vLLM also needs
     ``--enable-scale-out``, ``--logprobs-mode processed_logprobs`` and, for full weight
     updates, ``VLLM_SERVER_DEV_MODE=1``)."""
+    lora_updates: Literal["adapter", "merged"] = "adapter"
+    """How a LoRA run's updates reach the servers. ``adapter``: the servers load the
+    adapter (vLLM: ``--enable-lora``). ``merged``: this process merges it into a float32
+    copy of the model (``W0 + s B A``) and the servers, run in float32 without LoRA, load
+    the whole weights: vLLM's CPU build runs an adapter several times slower than the
+    plain model. Needs full weight updates (vLLM: ``VLLM_SERVER_DEV_MODE=1``)."""
     weights_dir: str | None = None
     """Where the trainer writes the weights (or the LoRA adapter) after each step, for the
     servers to load: a directory every server can read. None: ``RUN_DIR/weights``. At the
@@ -74,7 +80,7 @@ class EngineConfig(Checked):
     def _problems(self) -> list[str]:
         out = super()._problems()
         if self.backend == "embedded":
-            for name, default in (("urls", ()), ("weights_dir", None)):
+            for name, default in (("urls", ()), ("weights_dir", None), ("lora_updates", "adapter")):
                 if getattr(self, name) != default:
                     out.append(
                         f"{name}: only server backends use it, but backend is 'embedded'; "
@@ -138,6 +144,11 @@ def engine_problems(cfg: Any) -> list[str]:
             f"rollout.kv_on_update: 'keep' lets the embedded engine decode on from caches the "
             f"old weights computed; a {backend} server drops its requests' caches at an update "
             "and they are sent again; set rollout.kv_on_update=recompute"
+        )
+    if eng.lora_updates == "merged" and not cfg.model.lora.enabled:
+        out.append(
+            "engine.lora_updates: 'merged' merges LoRA updates, but model.lora is off (full "
+            "updates are sent whole anyway); remove engine.lora_updates or enable model.lora"
         )
     if backend == "vllm":
         out.extend(_vllm_sampling_problems(cfg))

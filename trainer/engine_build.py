@@ -65,11 +65,15 @@ def build_engine(
             cpus=cfg.rollout.engine_cpus,
             starter=_ray_starter(cfg) if cfg.scheduler == "ray" else None,
         )
+    merged = lora.enabled and cfg.engine.lora_updates == "merged"
     rank = 0
-    if lora.enabled:
+    if lora.enabled and not merged:
         rank = vllm_lora_rank(lora.r) if backend == "vllm" else lora.r
     # The trainer's dtype: the servers' logprobs are compared with its own (mismatch/*).
+    # A merged adapter is served in float32: in bfloat16 a small update would round away.
     dtype = str(resolve_dtype(cfg.model.dtype, device, low_precision_ok=lora.enabled))
+    if merged:
+        dtype = "float32"
     if launch is not None:
         stop_leftover_servers(out)
     engine = start_server_engine(
@@ -84,6 +88,7 @@ def build_engine(
         weights_dir=str(weights_dir(cfg, out)),
         decode=tokenizer.decode,
         say=None if quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
+        merge_lora=merged,
     )
     try:
         _check_attached(cfg, engine)
@@ -169,6 +174,8 @@ def check_lora_targets(model: Any, cfg: TrainConfig) -> None:
     """vLLM serves LoRA on linear and embedding layers only: a target module of another
     kind (a norm, a convolution, a whole block) is a ``ConfigError``."""
     if cfg.engine.backend != "vllm" or not cfg.model.lora.enabled:
+        return
+    if cfg.engine.lora_updates == "merged":  # vLLM serves plain weights: peft merges any layer
         return
     bad = sorted(
         {

@@ -50,7 +50,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import httpx
 
@@ -63,6 +63,9 @@ from areal_agents.engines.weight_files import (
     tied_embeddings,
 )
 from areal_agents.errors import BackendError, ContextOverflow, UserError
+
+if TYPE_CHECKING:
+    from areal_agents.engines.weights import LoraMerger  # it loads torch: not at import
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,9 @@ class RemoteEngine:
         self._restart_lock = threading.Lock()
         self._failure: BackendError | None = None
         self._loaded: WeightUpdate | None = None  # the files last loaded, for a restart
+        self.merger: LoraMerger | None = None
+        """Set: LoRA updates are merged into full weights here and sent whole (see
+        :class:`~areal_agents.engines.weights.LoraMerger`)."""
         self.vocab_size = _vocab_size(model_dir)
         self._tied = tied_embeddings(model_dir) if model_dir else False
 
@@ -482,6 +488,8 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------ weights
     def _stage(self, update: WeightUpdate) -> WeightUpdate:
+        if self.merger is not None and update.kind == "lora":
+            update = self.merger.full_update(update)
         staged = self._staging.stage(update)
         try:
             self._check_weights_dir(staged)

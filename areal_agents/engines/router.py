@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_agents.engines.protocol import (
     Engine,
@@ -31,6 +31,9 @@ from areal_agents.engines.protocol import (
 )
 from areal_agents.engines.weight_files import StagingArea
 from areal_agents.errors import UserError
+
+if TYPE_CHECKING:
+    from areal_agents.engines.weights import LoraMerger  # it loads torch: not at import
 
 
 class RoutedEngine:
@@ -54,6 +57,9 @@ class RoutedEngine:
         known = [int(c) for c in contexts if c]
         self.max_context = min(known) if known else None
         self.max_keys = max_keys
+        self.merger: LoraMerger | None = None
+        """Set: LoRA updates are merged into full weights once and every replica loads
+        them (see :class:`~areal_agents.engines.weights.LoraMerger`)."""
         self._keys: OrderedDict[str, int] = OrderedDict()
         self._load = [0] * len(self.engines)
         self._next = 0
@@ -98,8 +104,10 @@ class RoutedEngine:
         files once, then every replica loads the same directory)."""
         version = update.version if update.version is not None else self._version + 1
         staged = update
-        if update.state_dict is not None and len(self.engines) > 1:
-            staged = await asyncio.to_thread(self._staging.stage, update)
+        if self.merger is not None and update.kind == "lora":  # merged once, for every replica
+            staged = await asyncio.to_thread(self.merger.full_update, update)
+        if staged.state_dict is not None and len(self.engines) > 1:
+            staged = await asyncio.to_thread(self._staging.stage, staged)
         staged = dataclasses.replace(staged, version=version)
         try:
             await asyncio.gather(*[e.update_weights(staged) for e in self.engines])

@@ -110,9 +110,12 @@ def start_server_engine(
     weights_dir: str | None = None,
     decode: DecodeFn | None = None,
     say: Callable[[str], None] | None = None,
+    merge_lora: bool = False,
 ) -> Any:
     """One engine over the servers described (launched with ``launch``, else attached at
-    ``urls``): a :class:`RemoteEngine`, or a :class:`RoutedEngine` over several."""
+    ``urls``): a :class:`RemoteEngine`, or a :class:`RoutedEngine` over several.
+    ``merge_lora``: LoRA updates are merged into full weights in this process
+    (:class:`~areal_agents.engines.weights.LoraMerger`) and the servers load those."""
     if backend not in BACKENDS:
         raise ConfigError(f"engine.backend: {backend!r} is not a server backend ({BACKENDS})")
     cls: Any = VLLMEngine if backend == "vllm" else SGLangEngine
@@ -135,9 +138,16 @@ def start_server_engine(
         Path(weights_dir).mkdir(parents=True, exist_ok=True)
         for e in engines:
             e._staging = StagingArea(weights_dir, prefix=f"areal-{backend}-")
-    if len(engines) == 1:
-        return engines[0]
-    return RoutedEngine(engines, staging_dir=weights_dir)
+    engine: RemoteEngine | RoutedEngine = (
+        engines[0] if len(engines) == 1 else RoutedEngine(engines, staging_dir=weights_dir)
+    )
+    if merge_lora:
+        if model_dir is None:
+            raise UserError("merging LoRA updates needs the model's directory (its base weights)")
+        from areal_agents.engines.weights import LoraMerger  # noqa: PLC0415  it loads torch
+
+        engine.merger = LoraMerger(model_dir)
+    return engine
 
 
 def _launch_all(

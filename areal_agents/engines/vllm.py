@@ -47,6 +47,20 @@ Endpoints used, and why
     The served name and ``max_model_len``; liveness; whether dev endpoints exist; the
     current version label (an integer label is adopted when attaching).
 
+vLLM's CPU build and seeded requests
+------------------------------------
+vLLM 0.32 splits a prompt that does not fit the step's token budget over several steps
+(chunked prefill) and, for a seeded request, rewinds its random generator over the token
+sampled and discarded after each partial step. A CPU generator cannot be rewound: the
+server dies (``RuntimeError: CPU Generator does not use offset``) as soon as a seeded
+request is prefilled in chunks, which a training run's concurrent, seeded episodes do
+within minutes. ``launch`` therefore starts a CPU build (:func:`cpu_build`) with
+``--no-enable-chunked-prefill`` and a token budget of at least the context
+(``--max-num-batched-tokens``), so that every prompt is prefilled in one step (a prompt
+waits for the next step rather than being split), unless ``extra_args`` sets one of
+:data:`CHUNKED_PREFILL_FLAGS`. ``connect`` reads a dev-mode server's ``/server_info``; a
+CPU server that chunks prefills gets requests without a seed (warned once), not a crash.
+
 Without dev mode the engine still generates; ``pause`` and LoRA updates then drain (new
 requests wait, those in flight finish) and full updates are refused with the fix.
 
@@ -71,9 +85,12 @@ the k best by rank; ``launch`` raises ``--max-logprobs`` to 21 for that.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import os
 import shutil
+import subprocess
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -96,6 +113,14 @@ from areal_agents.engines.weight_files import with_output_layer
 from areal_agents.errors import BackendError, UserError
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+log = logging.getLogger(__name__)
+
+CHUNKED_PREFILL_FLAGS = (
+    "--enable-chunked-prefill",
+    "--no-enable-chunked-prefill",
+    "--max-num-batched-tokens",
+)
+"""Flags that, given in ``extra_args``, leave the prefill schedule to the user."""
 
 
 class VLLMEngine(RemoteEngine):
@@ -109,6 +134,8 @@ class VLLMEngine(RemoteEngine):
         self.lora_name = f"areal-lora-{uuid.uuid4().hex[:8]}"
         self._adapter: str | None = None
         self._tied_copy: Path | None = None
+        self.send_seeds = True
+        """False for a CPU server that chunks prefills (see the module docstring)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -134,7 +161,8 @@ class VLLMEngine(RemoteEngine):
     ) -> VLLMEngine:
         """Start ``python -m vllm.entrypoints.openai.api_server`` for ``model`` and connect.
 
-        ``python``: the interpreter of a vLLM environment (default: :func:`find_python`).
+        ``python``: the interpreter of a vLLM environment (default: :func:`find_python`); a
+        CPU build is started without chunked prefill (see the module docstring).
         ``lora_rank``: the largest LoRA rank to accept (0: no LoRA support; vLLM takes only
         the values in ``areal_agents.engines.servers.VLLM_LORA_RANKS``). ``env`` adds
         variables (``VLLM_CPU_KVCACHE_SPACE`` defaults to 2 GiB); ``cpus``: the cores the
@@ -159,6 +187,12 @@ class VLLMEngine(RemoteEngine):
         ]  # fmt: skip
         if max_model_len:
             argv += ["--max-model-len", str(max_model_len)]
+        if cpu_build(python) and not any(
+            a.split("=", 1)[0] in CHUNKED_PREFILL_FLAGS for a in extra_args
+        ):
+            context = max_model_len or _flag_value(extra_args, "--max-model-len")
+            budget = max(2048, context or _model_context(model) or 0)
+            argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
         server_env = {"VLLM_SERVER_DEV_MODE": "1", **dict(env or {})}
         server_env.setdefault(
             "VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -213,6 +247,7 @@ class VLLMEngine(RemoteEngine):
                     "(vLLM >= 0.32)"
                 )
             label = get_json(http, "/weight_info", "vLLM")["weight_version"] if dev_mode else None
+            chunked_cpu = dev_mode and prefill_schedule(http) == ("cpu", True)
         root = card.get("root")
         if model_dir is None and root and Path(root, "config.json").exists():
             model_dir = str(root)
@@ -225,6 +260,15 @@ class VLLMEngine(RemoteEngine):
             server=_server,
             decode=decode,
         )
+        if chunked_cpu:
+            engine.send_seeds = False
+            log.warning(
+                "the vLLM server at %s runs on CPU with chunked prefill: a seeded request "
+                "prefilled in chunks kills it (vLLM 0.32), so requests go without their seed "
+                "(sampling is not reproducible); start it with --no-enable-chunked-prefill "
+                "--max-num-batched-tokens %d (at least --max-model-len)",
+                url, max(2048, engine.max_context),
+            )  # fmt: skip
         version = int_label(label)
         if version is not None:
             engine._version = version
@@ -257,7 +301,7 @@ class VLLMEngine(RemoteEngine):
             "logprobs": params.top_logprobs + 1 if params.top_logprobs else 0,
             "skip_special_tokens": False,
         }
-        if params.seed is not None:
+        if params.seed is not None and self.send_seeds:
             sampling["seed"] = params.seed
         body = {
             "request_id": self.new_request_id(),
@@ -363,6 +407,61 @@ def find_python(explicit: str | None = None) -> str:
         how="build one with `requirements/make_venv.sh vllm .venv-vllm` (vLLM cannot share "
         "areal-agents' environment)",
     )
+
+
+@functools.cache
+def cpu_build(python: str) -> bool:
+    """Whether the vLLM installed for ``python`` is a CPU build: the ``vllm-cpu``
+    distribution, or ``vllm`` with a ``+cpu`` version (a source build). Read from the
+    package metadata, without importing vLLM."""
+    probe = (
+        "import importlib.metadata as m\n"
+        "names = {d.metadata['Name'].lower(): d.version for d in m.distributions()}\n"
+        "print('vllm-cpu' in names or 'cpu' in names.get('vllm', ''))"
+    )
+    try:
+        out = subprocess.run(
+            [python, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not read %s's vLLM build (%s); assuming a GPU build", python, exc)
+        return False
+    return out.stdout.strip() == "True"
+
+
+def _flag_value(args: Sequence[str], flag: str) -> int | None:
+    """The integer value of ``flag`` in ``args`` (``--flag N`` or ``--flag=N``), if any."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith(flag + "="):
+            return int(a.split("=", 1)[1])
+    return None
+
+
+def _model_context(model: str) -> int | None:
+    """The context a checkpoint declares (``max_position_embeddings``), if it says."""
+    try:
+        config = json.loads(Path(model, "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") or config.get("text_config", {}).get(
+        "max_position_embeddings"
+    )
+    return int(value) if value else None
+
+
+def prefill_schedule(http: httpx.Client) -> tuple[str, bool] | None:
+    """A dev-mode vLLM server's device type and whether it chunks prefills, read from
+    ``/server_info``; None when it cannot tell."""
+    try:
+        r = http.get("/server_info", params={"config_format": "json"}, timeout=60.0)
+        config = r.json()["vllm_config"]
+        device = config["device_config"].get("device_type") or config["device_config"]["device"]
+        return str(device), bool(config["scheduler_config"]["enable_chunked_prefill"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.debug("could not read the vLLM server's configuration: %r", exc)
+        return None
 
 
 def _segment(out: dict[str, Any], top_k: int) -> Segment:

@@ -232,3 +232,43 @@ def _lora_kwargs(raw: dict[str, Any]) -> dict[str, Any]:
 
     names = {f.name for f in dataclasses.fields(LoraConfig)}
     return {k: v for k, v in raw.items() if k in names}
+
+
+class LoraMerger:
+    """Full weights from LoRA updates, for a server that serves the adapter merged (a
+    server backend's ``engine.lora_updates: merged``).
+
+    vLLM's CPU build runs a model with an adapter several times slower than the same model
+    without one. Merged on the host, every LoRA update becomes a full update of the served
+    model: a float32 copy of the base model ``W0`` (loaded from ``model_dir`` on the first
+    update) takes the adapter with :class:`MergedLora`, so every update starts again from
+    ``W0``::
+
+        W = W0 + s * B @ A,    s = lora_alpha / r   (lora_alpha / sqrt(r) with rsLoRA)
+
+    and the whole state dict is sent (the server's reload needs every tensor). The server
+    should run in float32: in bfloat16 a delta below 2^-8 of a weight rounds away. Costs one
+    float32 copy of the model in this process and a full checkpoint written per update.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = str(model_dir)
+        self._model: Any = None
+        self._merged = MergedLora()
+
+    def full_update(self, update: WeightUpdate) -> WeightUpdate:
+        """``update`` (a LoRA update, in memory or a directory) as a full update of the
+        merged float32 weights, with the same version."""
+        if update.kind != "lora":
+            raise UserError(f"LoraMerger merges LoRA updates, not {update.kind!r} ones")
+        if self._model is None:
+            from transformers import AutoModelForCausalLM  # noqa: PLC0415  loads on the first merge
+
+            with torch.random.fork_rng(devices=[]):  # the caller's random stream stays
+                self._model = AutoModelForCausalLM.from_pretrained(
+                    self.model_dir, dtype=torch.float32
+                )
+        self._model = self._merged.apply(self._model, update)
+        return WeightUpdate(
+            kind="full", state_dict=self._model.state_dict(), version=update.version
+        )

@@ -138,3 +138,36 @@ def test_low_precision_keeps_the_adapter_unmerged(base):
     update = WeightUpdate(kind="lora", state_dict=_adapter(base, 5), lora_config=CONFIG)
     model = apply_weight_update(half, update, merged)
     assert isinstance(model, PeftModel) and not merged.active
+
+
+def test_a_merger_turns_each_lora_update_into_the_full_merged_weights(
+    base, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``engine.lora_updates: merged``: W = W0 + (alpha / r) B A for every adapted layer,
+    from the base weights each time; every other tensor is the base's; the result is what
+    a float32 server loads (written to files and read back)."""
+    from areal_agents.engines.weight_files import stage_update
+    from areal_agents.engines.weights import LoraMerger, read_state_dict
+
+    merger = LoraMerger(tiny_model_dir)
+    w0 = _weights(base)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    for seed, version in ((1, 3), (2, 4)):
+        sd = _adapter(base, seed)
+        full = merger.full_update(
+            WeightUpdate(kind="lora", state_dict=sd, lora_config=CONFIG, version=version)
+        )
+        assert full.kind == "full" and full.version == version
+        written = read_state_dict(str(stage_update(full, tmp_path).path))
+        a = sd["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+        b = sd["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+        assert torch.allclose(written[key], w0[key] + (8 / 4) * b @ a, atol=1e-6)
+        untouched = "model.layers.0.mlp.up_proj.weight"
+        assert torch.equal(written[untouched], w0[untouched])
+        assert set(written) >= {k for k in w0 if k != "lm_head.weight"}
+    # The merged weights compute the adapter's forward (the last update's).
+    served = copy.deepcopy(base)
+    served.load_state_dict(written, strict=False)
+    assert torch.allclose(_logits(served), _logits(_unmerged(base, sd)), atol=1e-5, rtol=1e-5)
+    with pytest.raises(UserError, match="merges LoRA updates"):
+        merger.full_update(WeightUpdate(kind="full", state_dict=w0))

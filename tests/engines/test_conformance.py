@@ -301,6 +301,46 @@ async def test_a_lora_update_changes_the_output(
     assert_greedy(after, ref, subject.atol)
 
 
+@pytest.mark.parametrize(
+    "subject", [p for p in ENGINES if p.values[0] != "embedded"], indirect=True
+)
+async def test_a_merged_lora_update_serves_the_adapter_without_one(
+    subject: Subject, prompt: list[int], hf_model: Any, model_dir: Path
+) -> None:
+    """``engine.lora_updates: merged``: a server engine with a merger receives the adapter,
+    loads the merged float32 weights whole, and samples exactly what the adapter on the base
+    weights gives; back on the base weights afterwards."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import set_peft_model_state_dict as set_lora
+
+    from areal_agents.engines.weights import LoraMerger
+
+    engine = subject.engine  # a server's (the embedded engine merges a float32 adapter itself)
+    engine.merger = LoraMerger(model_dir)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    probe = get_peft_model(model_with(hf_model, hf_model.state_dict()), config)
+    gen = torch.Generator().manual_seed(11)
+    lora = {
+        k: torch.randn(v.shape, generator=gen) * 2
+        for k, v in get_peft_model_state_dict(probe).items()
+    }
+    try:
+        version = await engine.update_weights(
+            WeightUpdate(kind="lora", state_dict=lora, lora_config=config)
+        )
+        after = await engine.generate(prompt, GREEDY)
+        assert after.output_versions == [version] * len(after.output_ids)
+        set_lora(probe, lora)
+        ref = recompute(probe.eval(), prompt, after.output_ids, 1.0)
+        assert_logprobs(after, ref, subject.atol)
+        assert_greedy(after, ref, subject.atol)
+    finally:
+        engine.merger = None
+        await engine.update_weights(WeightUpdate(path=str(model_dir)))
+
+
 # ---------------------------------------------------------------------- control
 async def test_pause_holds_requests_until_resume(subject: Subject, prompt: list[int]) -> None:
     engine = subject.engine

@@ -163,3 +163,104 @@ def test_a_tied_checkpoint_gets_its_output_layer_for_vllm(tmp_path: Path) -> Non
     save_file({"x": torch.ones(2)}, src / "model.safetensors")
     with pytest.raises(UserError, match="no single embedding matrix"):
         with_output_layer(src, tmp_path)
+
+
+def _vllm_argv(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cpu: bool, **options: object
+) -> list[str]:
+    """The command line ``VLLMEngine.launch`` would run (nothing is started)."""
+    from areal_agents.engines import vllm
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(vllm, "cpu_build", lambda python: cpu)
+    monkeypatch.setattr(vllm, "find_python", lambda python: python)
+    monkeypatch.setattr(
+        vllm.VLLMEngine,
+        "_start_and_connect",
+        classmethod(lambda cls, argv, **kw: seen.append(argv)),
+    )
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    vllm.VLLMEngine.launch(str(model), python=sys.executable, **options)  # type: ignore[arg-type]
+    return seen[0]
+
+
+def _budget(argv: list[str]) -> int | None:
+    if "--no-enable-chunked-prefill" not in argv:
+        return None
+    return int(argv[argv.index("--max-num-batched-tokens") + 1])
+
+
+def test_a_cpu_build_of_vllm_is_started_without_chunked_prefill(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Chunked prefill with a seeded request kills vLLM's CPU build (the module docstring of
+    areal_agents.engines.vllm): launched on one, every prompt is prefilled in one step, with
+    a token budget of at least the context (the model's, or the one given)."""
+    assert _budget(_vllm_argv(monkeypatch, tmp_path, cpu=True)) == 8192
+    assert _budget(_vllm_argv(monkeypatch, tmp_path, cpu=True, max_model_len=1024)) == 2048
+    assert _budget(_vllm_argv(monkeypatch, tmp_path, cpu=True, max_model_len=4096)) == 4096
+    argv = _vllm_argv(monkeypatch, tmp_path, cpu=True, extra_args=["--max-model-len", "3000"])
+    assert _budget(argv) == 3000
+    argv = _vllm_argv(monkeypatch, tmp_path, cpu=True, extra_args=["--max-model-len=5000"])
+    assert _budget(argv) == 5000
+    # The user's own schedule is left alone, and a GPU build keeps vLLM's default.
+    for flags in (["--enable-chunked-prefill"], ["--max-num-batched-tokens=512"]):
+        argv = _vllm_argv(monkeypatch, tmp_path, cpu=True, extra_args=flags)
+        assert "--no-enable-chunked-prefill" not in argv and argv[-1] == flags[-1]
+    assert "--no-enable-chunked-prefill" not in _vllm_argv(monkeypatch, tmp_path, cpu=False)
+
+
+def test_a_python_without_vllm_is_not_a_cpu_build() -> None:
+    from areal_agents.engines.vllm import cpu_build
+
+    assert cpu_build(sys.executable) is False
+    assert cpu_build("/nonexistent/python") is False
+
+
+def test_the_prefill_schedule_is_read_from_server_info() -> None:
+    """What ``connect`` reads to decide whether a CPU server may get seeded requests."""
+    import httpx
+
+    from areal_agents.engines.vllm import prefill_schedule
+
+    def server(chunked: bool | None) -> httpx.Client:
+        def answer(request: httpx.Request) -> httpx.Response:
+            assert request.url.path == "/server_info"
+            if chunked is None:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            config = {
+                "device_config": {"device": "cpu", "device_type": "cpu"},
+                "scheduler_config": {"enable_chunked_prefill": chunked},
+            }
+            return httpx.Response(200, json={"vllm_config": config})
+
+        return httpx.Client(base_url="http://vllm", transport=httpx.MockTransport(answer))
+
+    assert prefill_schedule(server(True)) == ("cpu", True)
+    assert prefill_schedule(server(False)) == ("cpu", False)
+    assert prefill_schedule(server(None)) is None
+
+
+async def test_a_server_that_may_not_get_seeds_gets_none() -> None:
+    from areal_agents.engines.protocol import SamplingParams
+    from areal_agents.engines.vllm import VLLMEngine
+
+    sent: list[dict[str, object]] = []
+
+    class Recording(VLLMEngine):
+        async def _request(
+            self, method: str, path: str, *, json: object = None, params: object = None
+        ) -> object:
+            assert isinstance(json, dict)
+            sent.append(json["sampling_params"])
+            answer = {"token_ids": [5], "logprobs": {"content": [{"logprob": -0.5}]}}
+            return {"choices": [{**answer, "finish_reason": "length"}]}
+
+    engine = Recording("http://vllm", dev_mode=True, model_name="m", max_context=100)
+    params = SamplingParams(max_new_tokens=1, seed=7)
+    await engine.generate([1, 2], params)
+    engine.send_seeds = False
+    await engine.generate([1, 2], params)
+    assert [s.get("seed") for s in sent] == [7, None]

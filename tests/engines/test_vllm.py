@@ -174,3 +174,38 @@ async def test_two_engines_behind_a_router_share_updates(
         assert a.output_versions == b.output_versions == [version] * 6
     finally:
         await engine.close()
+
+
+async def test_seeded_requests_with_long_prompts_at_once_do_not_kill_a_cpu_server(
+    vllm_service: Any, model_dir: Path
+) -> None:
+    """Eight seeded requests of ~1,500 prompt tokens at once, over a 2,048-token context:
+    with chunked prefill (vLLM's default) the second prompt is split over two steps and the
+    CPU build dies rewinding its seeded generator ("CPU Generator does not use offset"), as
+    a training run's server did. Launched by this project, a CPU build prefills each prompt
+    in one step; the requests all finish, reproducibly."""
+    import os
+    import random
+
+    from areal_agents.engines.vllm import cpu_build, find_python, prefill_schedule
+
+    engine = await asyncio.to_thread(VLLMEngine.connect, vllm_service.url, model_dir=str(model_dir))
+    try:
+        if not os.environ.get("AREAL_VLLM_URL"):  # launched here by `areal-agent serve`
+            assert cpu_build(find_python(None))
+            with httpx.Client(base_url=vllm_service.url) as http:
+                assert prefill_schedule(http) == ("cpu", False)
+            assert engine.send_seeds
+        rng = random.Random(3)
+        prompts = [[rng.randrange(100, 20000) for _ in range(1400 + 20 * i)] for i in range(8)]
+        params = [SamplingParams(max_new_tokens=4, temperature=1.0, seed=i) for i in range(8)]
+        first = await asyncio.gather(
+            *(engine.generate(p, s) for p, s in zip(prompts, params, strict=True))
+        )
+        again = await engine.generate(prompts[5], params[5])
+        assert all(1 <= len(r.output_ids) <= 4 for r in first)
+        assert again.output_ids == first[5].output_ids
+        health = await engine.health()
+        assert health["status"] == "ok", health
+    finally:
+        await engine.close()

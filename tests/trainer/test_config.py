@@ -116,6 +116,7 @@ engine:
   launch: {servers: 1, python: null, module: null, args: "", port: 0, log: null, gpus: 0,
            env: {}, start_timeout_s: 900.0, max_restarts: 3}
   urls: []
+  lora_updates: adapter
   weights_dir: null
 eval: {episodes: 0, seed: 3, split: dev, env_kwargs: {max_tasks: 5}, temperature: 0.5, every: 0}
 agent: {factory: "my_pkg.agents:make_agent", kwargs: {temperature: 0.5}, train: [solver]}

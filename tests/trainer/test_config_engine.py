@@ -58,6 +58,12 @@ def test_a_server_backend_reads_its_launch_and_attach_keys() -> None:
         (['engine.urls=["http://h:1"]'], "engine.urls: only server backends use it"),
         (["engine.launch.servers=2"], "engine.launch: starts inference servers"),
         (["engine.weights_dir=/shared/w"], "engine.weights_dir: only server backends"),
+        (["engine.lora_updates=merged"], "engine.lora_updates: only server backends"),
+        (
+            ["engine.backend=vllm", "engine.lora_updates=merged", "model.lora.enabled=false"],
+            "engine.lora_updates: 'merged' merges LoRA updates, but model.lora is off",
+        ),
+        (["engine.backend=vllm", "engine.lora_updates=both"], "engine.lora_updates"),
         (
             ["engine.backend=vllm", 'engine.urls=["http://h:1"]', "engine.launch.servers=2"],
             "engine.launch: the run attaches to engine.urls",
