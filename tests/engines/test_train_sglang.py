@@ -143,23 +143,26 @@ def test_a_server_that_dies_once_too_often_stops_the_run_with_its_log(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("weights", ["full", "merged-lora"])
 def test_training_full_weights_on_a_launched_fake_sglang_server(
+    weights: str,
     tiny_model_dir: Path,
     parity_env: str,
     training_checks: Any,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """LoRA off: every sync is a full checkpoint through ``update_weights_from_disk``."""
+    """Every sync is a full checkpoint through ``update_weights_from_disk``: LoRA off, or
+    LoRA on with ``engine.lora_updates: merged`` (the adapter merged into float32 weights
+    by the trainer's process; the server never sees an adapter)."""
     t = training_checks
     steps, out = 3, tmp_path / "run"
-    cfg = t.short_run(
-        tiny_model_dir,
-        out,
-        _launched(max_restarts=0),
-        model={"lora": {"enabled": False}},
-        train={"steps": steps},
-    )
+    engine = _launched(max_restarts=0)
+    model: dict[str, Any] = {"lora": {"enabled": False}}
+    if weights == "merged-lora":
+        engine["lora_updates"] = "merged"
+        model = {"lora": {"enabled": True, "r": 8, "alpha": 16}}
+    cfg = t.short_run(tiny_model_dir, out, engine, model=model, train={"steps": steps})
     labels = _record_server_labels(monkeypatch)
     train(cfg, quiet=True)
 
