@@ -126,3 +126,41 @@ def test_the_proxy_works_with_engines_without_route_key(qwen_tokenizer: Any) -> 
             json={"messages": [{"role": "user", "content": "hi"}]},
         )
     assert r.status_code == 200 and engine.calls == 1
+
+
+async def test_a_merging_router_merges_once_and_every_replica_loads_the_same_files(
+    tiny_model_dir: Any, tmp_path: Any
+) -> None:
+    """``engine.lora_updates: merged`` over several servers: the adapter is merged once, the
+    full weights are written once, and every replica gets the same directory."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from areal_agents.engines.weights import LoraMerger
+
+    received: list[WeightUpdate] = []
+
+    class Recording(FakeEngine):
+        async def update_weights(self, update: WeightUpdate) -> int:
+            received.append(update)
+            return await super().update_weights(update)
+
+    engine = RoutedEngine([Recording(), Recording()], staging_dir=str(tmp_path))
+    engine.merger = LoraMerger(tiny_model_dir)
+    merges: list[int] = []
+    real = engine.merger.full_update
+    engine.merger.full_update = lambda u: merges.append(1) or real(u)  # type: ignore[method-assign]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False)
+    lora = get_peft_model_state_dict(get_peft_model(copy.deepcopy(base), config))
+    version = await engine.update_weights(
+        WeightUpdate(kind="lora", state_dict=lora, lora_config=config)
+    )
+    assert version == 1 and merges == [1]
+    assert [u.kind for u in received] == ["full", "full"]
+    assert received[0].path is not None and received[0].path == received[1].path
+    assert received[0].state_dict is None
+    await engine.close()
