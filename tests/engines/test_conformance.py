@@ -271,36 +271,9 @@ async def test_an_update_interrupts_requests_in_flight(
         await engine.update_weights(WeightUpdate(path=str(model_dir)))
 
 
-async def test_a_lora_update_changes_the_output(
-    subject: Subject, prompt: list[int], hf_model: Any
-) -> None:
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from peft import set_peft_model_state_dict as set_lora
-
-    engine = subject.engine
-    before = await engine.generate(prompt, GREEDY)
-    config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-    )
-    probe = get_peft_model(model_with(hf_model, hf_model.state_dict()), config)
-    gen = torch.Generator().manual_seed(7)
-    lora = {
-        k: torch.randn(v.shape, generator=gen) * 2
-        for k, v in get_peft_model_state_dict(probe).items()
-    }
-    target = engine.version + 3
-    version = await engine.update_weights(
-        WeightUpdate(kind="lora", state_dict=lora, lora_config=config, version=target)
-    )
-    after = await engine.generate(prompt, GREEDY)
-    assert version == target == engine.version and after.output_versions == [target] * 12
-    assert after.output_ids != before.output_ids
-    set_lora(probe, lora)
-    ref = recompute(probe.eval(), prompt, after.output_ids, 1.0)
-    assert_logprobs(after, ref, subject.atol)  # exactly this adapter on the base weights
-    assert_greedy(after, ref, subject.atol)
-
-
+# Before the adapter test: the fake SGLang keeps each loaded adapter as a model copy of its
+# own, which a full update afterwards does not fit (a limit of the fake; SGLang reloads the
+# base weights under its adapters).
 @pytest.mark.parametrize(
     "subject", [p for p in ENGINES if p.values[0] != "embedded"], indirect=True
 )
@@ -339,6 +312,36 @@ async def test_a_merged_lora_update_serves_the_adapter_without_one(
     finally:
         engine.merger = None
         await engine.update_weights(WeightUpdate(path=str(model_dir)))
+
+
+async def test_a_lora_update_changes_the_output(
+    subject: Subject, prompt: list[int], hf_model: Any
+) -> None:
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import set_peft_model_state_dict as set_lora
+
+    engine = subject.engine
+    before = await engine.generate(prompt, GREEDY)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    probe = get_peft_model(model_with(hf_model, hf_model.state_dict()), config)
+    gen = torch.Generator().manual_seed(7)
+    lora = {
+        k: torch.randn(v.shape, generator=gen) * 2
+        for k, v in get_peft_model_state_dict(probe).items()
+    }
+    target = engine.version + 3
+    version = await engine.update_weights(
+        WeightUpdate(kind="lora", state_dict=lora, lora_config=config, version=target)
+    )
+    after = await engine.generate(prompt, GREEDY)
+    assert version == target == engine.version and after.output_versions == [target] * 12
+    assert after.output_ids != before.output_ids
+    set_lora(probe, lora)
+    ref = recompute(probe.eval(), prompt, after.output_ids, 1.0)
+    assert_logprobs(after, ref, subject.atol)  # exactly this adapter on the base weights
+    assert_greedy(after, ref, subject.atol)
 
 
 # ---------------------------------------------------------------------- control
