@@ -104,6 +104,23 @@ def assert_greedy(res: GenerateResult, ref: Any, atol: float) -> None:
     assert (gap <= atol).all(), gap.max().item()
 
 
+def random_adapter(model: Any, seed: int) -> tuple[Any, Any, dict[str, Any]]:
+    """A rank-4 LoRA on q_proj / v_proj with random weights large enough to change the
+    output: its config, a peft copy of ``model`` to load it into, and its tensors."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    probe = get_peft_model(model_with(model, model.state_dict()), config)
+    gen = torch.Generator().manual_seed(seed)
+    lora = {
+        k: torch.randn(v.shape, generator=gen) * 2
+        for k, v in get_peft_model_state_dict(probe).items()
+    }
+    return config, probe, lora
+
+
 def perturbed(model: Any, seed: int = 0, scale: float = 0.5) -> dict[str, Any]:
     """New weights; tensors tied in the model (embeddings and output layer) stay tied."""
     gen = torch.Generator().manual_seed(seed)
@@ -283,22 +300,13 @@ async def test_a_merged_lora_update_serves_the_adapter_without_one(
     """``engine.lora_updates: merged``: a server engine with a merger receives the adapter,
     loads the merged float32 weights whole, and samples exactly what the adapter on the base
     weights gives; back on the base weights afterwards."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from peft import set_peft_model_state_dict as set_lora
 
     from areal_agents.engines.weights import LoraMerger
 
     engine = subject.engine  # a server's (the embedded engine merges a float32 adapter itself)
     engine.merger = LoraMerger(model_dir)
-    config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-    )
-    probe = get_peft_model(model_with(hf_model, hf_model.state_dict()), config)
-    gen = torch.Generator().manual_seed(11)
-    lora = {
-        k: torch.randn(v.shape, generator=gen) * 2
-        for k, v in get_peft_model_state_dict(probe).items()
-    }
+    config, probe, lora = random_adapter(hf_model, seed=11)
     try:
         version = await engine.update_weights(
             WeightUpdate(kind="lora", state_dict=lora, lora_config=config)
@@ -317,20 +325,11 @@ async def test_a_merged_lora_update_serves_the_adapter_without_one(
 async def test_a_lora_update_changes_the_output(
     subject: Subject, prompt: list[int], hf_model: Any
 ) -> None:
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from peft import set_peft_model_state_dict as set_lora
 
     engine = subject.engine
     before = await engine.generate(prompt, GREEDY)
-    config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-    )
-    probe = get_peft_model(model_with(hf_model, hf_model.state_dict()), config)
-    gen = torch.Generator().manual_seed(7)
-    lora = {
-        k: torch.randn(v.shape, generator=gen) * 2
-        for k, v in get_peft_model_state_dict(probe).items()
-    }
+    config, probe, lora = random_adapter(hf_model, seed=7)
     target = engine.version + 3
     version = await engine.update_weights(
         WeightUpdate(kind="lora", state_dict=lora, lora_config=config, version=target)
