@@ -350,13 +350,6 @@ class RemoteEngine:
                 raise self._failure
             return
 
-    async def _until_no_restart(self) -> None:
-        """Return, with no await after the last check, once no restart is under way."""
-        while self._restart_lock.locked() and not self._closed:
-            await self._wait_restarted()
-        if self._failure is not None:
-            raise self._failure
-
     async def _wait_restarted(self) -> None:
         while self._restart_lock.locked() and not self._closed:
             await asyncio.sleep(0.05)
@@ -526,7 +519,7 @@ class RemoteEngine:
         and a restart waits for a swap under way (which fails fast on a dead server).
         Overlapping, the restart's reload of the previous weights could land after the new
         load but before its label: the old weights served under the new version."""
-        await self._until_no_restart()
+        await self._wait_restarted()  # returns with no await after its last check
         # No await between the check above and the flag: a restart that begins from here on
         # waits for the swap to end (see _recover).
         self._loading = True
