@@ -223,6 +223,21 @@ def test_version_prints_the_package_version():
     assert done.returncode == 0 and done.stdout.strip() == f"areal-agent {__version__}"
 
 
+def test_reading_runs_loads_no_web_framework_and_no_torch():
+    """``runs`` / ``status`` read run directories through the view's run reader; importing it
+    must not import the view's app (fastapi) or torch: each call would pay for them."""
+    code = (
+        "import sys, areal_agents.cli.runs, areal_agents.view.sources; "
+        "print(sorted(m for m in ('fastapi', 'starlette', 'torch') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    from areal_agents.view import RunSet, create_app  # still importable from the package
+
+    assert callable(create_app) and RunSet.__name__ == "RunSet"
+
+
 def test_resume_run_reads_the_runs_config_and_refuses_a_running_run(tmp_path, capsys):
     """``--resume RUN``: RUN's own config.yaml plus the overrides given now, in RUN."""
     from areal_agents.cli.main import _build_parser
